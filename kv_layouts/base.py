@@ -1,0 +1,60 @@
+"""The KV-layout interface: preallocated K/V storage for every attention layer of a looped LM.
+
+Storage is addressed by *rows*: one row per token position of a sequence, handed out by the
+caller's allocator (the engine's block manager, or the reference decoder's range). Row
+`num_rows` is a scratch row: padded batch items write there and nobody reads it, so shapes stay
+static. Non-looped layers (prelude, coda) keep one slot per row; how the core layers map
+`(loop step, row)` to a slot is what a layout decides.
+"""
+from __future__ import annotations
+
+import torch
+
+from looplm.config import LoopConfig
+
+
+class KVLayout:
+    name = "base"
+    core_depth_slots = 1  # slots per row per core layer
+
+    def __init__(self, cfg: LoopConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if num_rows < 1:
+            raise ValueError(f"a KV layout needs at least one row, got {num_rows}")
+        self.cfg, self.num_rows = cfg, num_rows
+        self.scratch_row = num_rows
+        R, KV, D = num_rows + 1, cfg.num_kv_heads, cfg.head_dim
+        n_plain = cfg.n_prelude + cfg.n_coda
+        # [layer, row, kv_head, head_dim] and [layer, depth_slot * rows, kv_head, head_dim]
+        self.k_plain = torch.zeros(n_plain, R, KV, D, dtype=dtype, device=device)
+        self.v_plain = torch.zeros_like(self.k_plain)
+        self.k_core = torch.zeros(cfg.n_core, self.core_depth_slots * R, KV, D, dtype=dtype, device=device)
+        self.v_core = torch.zeros_like(self.k_core)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_plain, self.v_plain, self.k_core, self.v_core))
+
+    @classmethod
+    def bytes_per_row(cls, cfg: LoopConfig, dtype: torch.dtype) -> int:
+        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        return per_layer * (cfg.n_prelude + cfg.n_coda + cfg.n_core * cls.core_depth_slots)
+
+    def cache(self, stage: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat K and V storage [slots, kv_heads, head_dim] of one layer."""
+        if stage == "core":
+            return self.k_core[layer], self.v_core[layer]
+        i = layer if stage == "prelude" else self.cfg.n_prelude + layer
+        return self.k_plain[i], self.v_plain[i]
+
+    def index(self, stage: str, step: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Flat slot index of `rows` for a token at loop `step` (1-based; ignored outside the core).
+        `step` broadcasts against `rows`."""
+        if stage != "core" or self.core_depth_slots == 1:
+            return rows
+        return (step - 1) * (self.num_rows + 1) + rows
+
+    def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
+        """Called once a decode token has left the loop at `depths` (its rows and exit depths)."""
+
+    def reset(self) -> None:
+        for t in (self.k_plain, self.v_plain, self.k_core, self.v_core):
+            t.zero_()

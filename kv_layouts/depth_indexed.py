@@ -1,0 +1,42 @@
+"""Depth-indexed KV: r_max slots per core layer per token; loop step s writes and reads slot s.
+
+A token that exited at depth d < r_max never wrote slots d+1..r_max. `last_exited` fill copies
+its depth-d K/V into them on exit, so a later token that loops deeper attends to the exit-depth
+state (accuracy-preserving; what the CDB paper does). `full_depth` is the same storage for a run
+where every token runs every step (nothing to fill).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import KVLayout
+
+
+class DepthIndexedKV(KVLayout):
+    name = "last_exited"
+
+    def __init__(self, cfg, num_rows, dtype, device="cpu"):
+        self.core_depth_slots = cfg.r_max
+        super().__init__(cfg, num_rows, dtype, device)
+
+    @classmethod
+    def bytes_per_row(cls, cfg, dtype):
+        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        return per_layer * (cfg.n_prelude + cfg.n_coda + cfg.n_core * cfg.r_max)
+
+    def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
+        r_max, R = self.cfg.r_max, self.num_rows + 1
+        keep = depths < r_max
+        if not bool(keep.any()):
+            return
+        rows, depths = rows[keep], depths[keep]
+        steps = torch.arange(1, r_max + 1, device=rows.device)
+        fill = steps[None, :] > depths[:, None]  # [n, r_max]: the skipped slots
+        dst = ((steps[None, :] - 1) * R + rows[:, None])[fill]
+        src = ((depths[:, None] - 1) * R + rows[:, None]).expand(-1, r_max)[fill]
+        for cache in (self.k_core, self.v_core):
+            cache[:, dst] = cache[:, src]
+
+
+class FullDepthKV(DepthIndexedKV):
+    name = "full_depth"

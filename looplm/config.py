@@ -1,0 +1,233 @@
+"""One config dataclass for any P-C-Q looped LM, read from Ouro's, Huginn's or our config.json.
+
+Our own checkpoints are written in the real formats (`model_type` "ouro" or "huginn_raven") plus a
+few extra keys (`exit_criterion`, `exit_threshold`, `exit_gate`, `r_min`), so a real Ouro/Huginn
+folder and ours go through the same reader.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("ouro", "huginn")
+MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "huginn"}
+CRITERIA = ("ouro_gate", "learned", "kl", "latent_diff", "entropy_diff", "none")
+
+
+@dataclass
+class LoopConfig:
+    arch: str  # "ouro" (sandwich-norm layers, no injection) | "huginn" (post-norm blocks, adapter injection)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    n_prelude: int  # transformer layers before the loop (Ouro: 0, the embedding only)
+    n_core: int  # layers of the shared block, applied r times per token
+    n_coda: int  # layers after the loop (Ouro: 0, lm_head only)
+    r_max: int  # loop steps at full depth
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position: int = 2048  # context limit (Ouro max_position_embeddings, Huginn block_size)
+    qk_bias: bool = False  # Huginn: learned bias added to q and k before RoPE
+    tie_embeddings: bool = False
+    embed_scale: float = 1.0  # Huginn multiplies the token embedding by this
+    init_std: float = 0.02  # Huginn: std of the random initial state (times embed_scale)
+    exit_gate: bool = False  # a linear gate head on the loop state (Ouro always has one)
+    exit_criterion: str = "none"
+    exit_threshold: float | None = None
+    r_min: int = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # unread keys, written back unchanged
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; supported: {ARCHS}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                     "head_dim", "n_core", "r_max", "max_position"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"config field {name} must be > 0, got {getattr(self, name)!r}")
+        if self.n_prelude < 0 or self.n_coda < 0:
+            raise ValueError("n_prelude and n_coda must be >= 0")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.qk_bias and self.num_kv_heads != self.num_heads:
+            # the reference adds a [heads, head_dim] bias to k, which is undefined for GQA
+            raise ValueError("qk_bias needs num_kv_heads == num_heads (the Huginn reference defines no GQA bias)")
+        if self.arch == "ouro":
+            self.exit_gate = True  # Ouro's early_exit_gate is part of the architecture
+            if self.n_prelude or self.n_coda:
+                raise ValueError("the ouro architecture is 0-L-0 (n_prelude = n_coda = 0)")
+        if self.exit_criterion not in CRITERIA:
+            raise ValueError(f"unknown exit_criterion {self.exit_criterion!r}; supported: {CRITERIA}")
+        if self.exit_criterion in ("ouro_gate", "learned") and not self.exit_gate:
+            raise ValueError(f"exit_criterion {self.exit_criterion!r} needs a gate head (exit_gate=true)")
+        if not 1 <= self.r_min <= self.r_max:
+            raise ValueError(f"r_min={self.r_min} must be in [1, r_max={self.r_max}]")
+
+    @property
+    def num_loop_layers(self) -> int:
+        return self.n_prelude + self.n_core + self.n_coda
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch} {self.n_prelude}-{self.n_core}-{self.n_coda} r_max={self.r_max}"
+
+    # ---------------------------------------------------------------- reading
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoopConfig:
+        mt = d.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {mt!r}; supported model types: {sorted(MODEL_TYPES)}")
+        reader = _from_ouro if MODEL_TYPES[mt] == "ouro" else _from_huginn
+        try:
+            return reader(d)
+        except KeyError as e:
+            raise ValueError(f"config.json ({mt}) is missing required key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> LoopConfig:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return cls.from_dict(d)
+
+    # ---------------------------------------------------------------- writing
+    def to_dict(self) -> dict[str, Any]:
+        ours = {"exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
+                "r_min": self.r_min, "exit_gate": self.exit_gate}
+        if self.arch == "ouro":
+            d = {
+                "model_type": "ouro", "architectures": ["OuroForCausalLM"],
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.n_core,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
+                "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position,
+                "tie_word_embeddings": self.tie_embeddings, "total_ut_steps": self.r_max,
+                "early_exit_threshold": 1.0 if self.exit_threshold is None else self.exit_threshold,
+            }
+        else:
+            d = {
+                "model_type": "huginn_raven", "architectures": ["RavenForCausalLM"],
+                "vocab_size": self.vocab_size, "padded_vocab_size": self.vocab_size,
+                "n_embd": self.hidden_size, "n_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.intermediate_size, "n_layers_in_prelude": self.n_prelude,
+                "n_layers_in_recurrent_block": self.n_core, "n_layers_in_coda": self.n_coda,
+                "n_layers": self.num_loop_layers, "mean_recurrence": self.r_max, "norm_eps": self.norm_eps,
+                "rope_base": self.rope_theta, "block_size": self.max_position, "qk_bias": self.qk_bias,
+                "bias": False, "tie_embeddings": self.tie_embeddings, "injection_type": "linear",
+                "state_init": "like-init",
+                "init_values": {"embed_scale": self.embed_scale, "std": self.init_std},
+            }
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        return {**self.extra, **d, **ours}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _ours(d: dict[str, Any]) -> dict[str, Any]:
+    out = {k: d[k] for k in ("exit_criterion", "exit_threshold", "r_min", "exit_gate") if k in d}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = d.get(k)
+        if isinstance(v, list):  # HF allows a list of eos ids; the first is the canonical one
+            out.setdefault("stop_token_ids", list(v))
+            v = v[0] if v else None
+        if v is not None:
+            out[k] = int(v)
+    if "stop_token_ids" in d:
+        out["stop_token_ids"] = [int(t) for t in d["stop_token_ids"]]
+    return out
+
+
+_OURO_KEYS = {"model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "hidden_act", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+              "tie_word_embeddings", "total_ut_steps", "early_exit_threshold"}
+_HUGINN_KEYS = {"model_type", "architectures", "vocab_size", "padded_vocab_size", "n_embd", "n_heads",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda", "n_layers",
+                "mean_recurrence", "norm_eps", "rope_base", "block_size", "qk_bias", "bias",
+                "tie_embeddings", "injection_type", "state_init", "init_values"}
+_OUR_KEYS = {"exit_criterion", "exit_threshold", "r_min", "exit_gate", "bos_token_id", "eos_token_id",
+             "pad_token_id", "stop_token_ids"}
+
+
+def _from_ouro(d: dict[str, Any]) -> LoopConfig:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"ouro: only hidden_act='silu' is supported, got {d['hidden_act']!r}")
+    if d.get("rope_scaling"):
+        raise ValueError("ouro: rope_scaling is not supported")
+    heads = int(d["num_attention_heads"])
+    ours = _ours(d)
+    thr = ours.pop("exit_threshold", d.get("early_exit_threshold"))
+    return LoopConfig(
+        arch="ouro", vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]), num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+        n_prelude=0, n_core=int(d["num_hidden_layers"]), n_coda=0,
+        r_max=int(d.get("total_ut_steps", 4)), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(d.get("rope_theta", 10000.0)),
+        max_position=int(d.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        exit_criterion=ours.pop("exit_criterion", "ouro_gate"),
+        exit_threshold=None if thr is None else float(thr),
+        extra={k: v for k, v in d.items() if k not in _OURO_KEYS | _OUR_KEYS},
+        **ours,
+    )
+
+
+def _from_huginn(d: dict[str, Any]) -> LoopConfig:
+    if d.get("injection_type", "linear") != "linear":
+        raise ValueError(f"huginn: only injection_type='linear' is supported, got {d['injection_type']!r}")
+    if d.get("bias"):
+        raise ValueError("huginn: bias=true is not supported (the released model has bias=false)")
+    hidden = int(d["n_embd"])
+    heads = int(d.get("num_attention_heads") or d["n_heads"])
+    init = d.get("init_values") or {}
+    ours = _ours(d)
+    # Huginn stores the vocabulary padded; the weights are sized by padded_vocab_size.
+    return LoopConfig(
+        arch="huginn", vocab_size=int(d.get("padded_vocab_size") or d["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(d["intermediate_size"]), num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=hidden // heads,  # the reference derives it; a stored head_dim is informational
+        n_prelude=int(d["n_layers_in_prelude"]), n_core=int(d["n_layers_in_recurrent_block"]),
+        n_coda=int(d["n_layers_in_coda"]), r_max=int(d.get("mean_recurrence", 32)),
+        norm_eps=float(d.get("norm_eps", 1e-6)), rope_theta=float(d.get("rope_base", 50000.0)),
+        max_position=int(d.get("block_size", 4096)), qk_bias=bool(d.get("qk_bias", False)),
+        tie_embeddings=bool(d.get("tie_embeddings", True)),
+        embed_scale=float(init.get("embed_scale", math.sqrt(hidden))),
+        init_std=float(init.get("std", 0.02)),
+        exit_criterion=ours.pop("exit_criterion", "none"),
+        extra={k: v for k, v in d.items() if k not in _HUGINN_KEYS | _OUR_KEYS},
+        **ours,
+    )
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(LoopConfig)]
+
+
+def replace(cfg: LoopConfig, **kw: Any) -> LoopConfig:
+    d = asdict(cfg)
+    d.update(kw)
+    return LoopConfig(**d)

@@ -1,0 +1,161 @@
+"""Checkpoint IO: HF-format folders (config.json + safetensors [+ tokenizer]), sharded or not.
+
+`load_pretrained` reads the real Ouro and Huginn folders unchanged (and ours, which use the same
+formats). Every expected tensor must be present with the right shape; errors name the key.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import LoopConfig
+from .huginn import HuginnLM
+from .model import LoopedLM
+from .ouro import OuroLM
+
+IGNORED_KEYS = ("freqs_cis",)  # Huginn's persistent RoPE buffer: we compute RoPE on the fly
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(cfg: LoopConfig) -> LoopedLM:
+    return (OuroLM if cfg.arch == "ouro" else HuginnLM)(cfg)
+
+
+def resolve_path(path_or_hub_id: str | os.PathLike) -> Path:
+    p = Path(path_or_hub_id)
+    if p.is_dir():
+        return p
+    s = str(path_or_hub_id)
+    if p.exists() or s.startswith((".", "/")) or s.count("/") != 1:
+        raise FileNotFoundError(f"checkpoint folder not found: {s}")
+    from huggingface_hub import snapshot_download  # only for hub ids; honours HF_HUB_OFFLINE
+    return Path(snapshot_download(s, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def _tensor_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in _tensor_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                state[k] = fh.get_tensor(k)
+    return state
+
+
+def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype = "float32",
+                    device: str | torch.device = "cpu", **overrides) -> LoopedLM:
+    """Load a looped LM from an HF-format folder (or a hub id when online).
+    `overrides` replace config fields (e.g. r_max=16 for Huginn)."""
+    folder = resolve_path(path_or_hub_id)
+    cfg = LoopConfig.from_json(folder / "config.json")
+    if overrides:
+        from .config import replace
+        cfg = replace(cfg, **overrides)
+    state = load_state(folder)
+    return model_from_state(cfg, state, dtype, device)
+
+
+def model_from_state(cfg: LoopConfig, state: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
+                     device: str | torch.device = "cpu") -> LoopedLM:
+    dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    expected = model.state_dict()
+    tied = cfg.tie_embeddings
+    head_key = "lm_head.weight"
+    for k in IGNORED_KEYS:
+        state.pop(k, None)
+    if tied:
+        state.pop(head_key, None)  # a tied copy (Huginn stores one) is the embedding again
+        expected = {k: v for k, v in expected.items() if k != head_key}
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {cfg.name}: {missing[:8]}")
+    unexpected = [k for k in state if k not in expected]
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor(s) for {cfg.name}: {unexpected[:8]}")
+    for k, t in expected.items():
+        if tuple(state[k].shape) != tuple(t.shape):
+            raise ValueError(f"tensor {k!r} has shape {tuple(state[k].shape)}, expected {tuple(t.shape)}")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
+    if tied:
+        emb = model.model.embed_tokens if cfg.arch == "ouro" else model.transformer.wte
+        model.lm_head.weight = emb.weight
+    return model.eval()
+
+
+def save_pretrained(model: LoopedLM, out_dir: str | os.PathLike, dtype: str | torch.dtype | None = None,
+                    max_shard_bytes: int | None = None, tokenizer=None) -> Path:
+    """Write config.json + model.safetensors (or shards with an index) [+ tokenizer files]."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    dt = resolve_dtype(dtype) if dtype is not None else None
+    state = {k: (v.to(dt) if dt is not None else v).detach().cpu().contiguous().clone()
+             for k, v in model.state_dict().items()}
+    if cfg.arch == "huginn":
+        # the reference registers RoPE as a persistent buffer; keep it so the folder loads there too
+        half = cfg.head_dim // 2
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        ang = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv)
+        state["freqs_cis"] = torch.stack([ang.cos(), ang.sin()], -1).view(1, cfg.max_position, 1, half, 2)
+    cfg.save(out / "config.json")
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        old.unlink()
+    meta = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(state, str(out / "model.safetensors"), metadata=meta)
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for k, v in state.items():
+            nb = v.numel() * v.element_size()
+            if shards[-1] and size + nb > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += nb
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata=meta)
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer stored in a checkpoint folder (transformers AutoTokenizer), or None."""
+    folder = Path(path)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))

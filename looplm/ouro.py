@@ -1,0 +1,64 @@
+"""Ouro (ByteDance/Ouro-1.4B and 2.6B): `0-L-0`, every layer is in the loop.
+
+Key names follow the released checkpoint: `model.embed_tokens`, `model.layers.{i}.self_attn.*`,
+`model.layers.{i}.mlp.*`, four sandwich norms per layer, `model.norm`, `model.early_exit_gate`, `lm_head`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import LoopConfig
+from .layers import Attend, Attention, RMSNorm, SwiGLU
+from .model import AttendFor, LoopedLM
+
+
+class OuroLayer(nn.Module):
+    def __init__(self, cfg: LoopConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = Attention(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, fused=False)
+        self.mlp = SwiGLU(d, cfg.intermediate_size, fused=False)
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.input_layernorm_2 = RMSNorm(d, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.post_attention_layernorm_2 = RMSNorm(d, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
+        # sandwich norm: the branch output is normed again before the residual add
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, attend))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OuroBody(nn.Module):
+    def __init__(self, cfg: LoopConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(OuroLayer(cfg) for _ in range(cfg.n_core))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1)
+
+
+class OuroLM(LoopedLM):
+    def __init__(self, cfg: LoopConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = OuroBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def prelude(self, ids, rope, attend_for: AttendFor, init_scale: float = 0.0):
+        return self.model.embed_tokens(ids), None  # no scaling, no injection
+
+    def core_step(self, state, inj, rope, attend_for: AttendFor):
+        for i, layer in enumerate(self.model.layers):
+            state = layer(state, rope, attend_for("core", i))
+        # the normed state is both this step's output and the next step's input
+        return self.model.norm(state)
+
+    def gate_logits(self, state):
+        return self.model.early_exit_gate(state).squeeze(-1)
+
+    def coda(self, state, rope, attend_for: AttendFor):
+        return state  # coda = lm_head only

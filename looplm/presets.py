@@ -1,0 +1,49 @@
+"""Tiny named presets for both architectures (tests, CI, the demo fallback), and random init."""
+from __future__ import annotations
+
+import torch
+
+from .config import LoopConfig
+from .io import build_model
+from .model import LoopedLM
+
+PRESETS: dict[str, dict] = {
+    # Ouro-style 0-2-0, r_max 4, GQA
+    "ouro-tiny": dict(arch="ouro", vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4,
+                      num_kv_heads=2, head_dim=16, n_prelude=0, n_core=2, n_coda=0, r_max=4, rope_theta=10000.0,
+                      max_position=512, exit_criterion="ouro_gate", exit_threshold=0.6, eos_token_id=0),
+    # Huginn-style 2-2-2, r_max 6, learned gate head
+    "huginn-tiny": dict(arch="huginn", vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4,
+                        num_kv_heads=4, head_dim=16, n_prelude=2, n_core=2, n_coda=2, r_max=6, rope_theta=50000.0,
+                        max_position=512, qk_bias=True, tie_embeddings=True, embed_scale=8.0, exit_gate=True,
+                        exit_criterion="learned", exit_threshold=0.6, eos_token_id=0),
+}
+
+
+def preset_config(name: str, **overrides) -> LoopConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    return LoopConfig(**{**PRESETS[name], **overrides})
+
+
+def init_weights(model: LoopedLM, seed: int = 0, std: float = 0.02, randomize_norms: bool = False) -> LoopedLM:
+    """GPT-style init (normal(0, std) matrices, zero biases). `randomize_norms` also perturbs norm
+    weights and biases so that tests notice a tensor a loader skipped."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".norm_" in name or "layernorm" in name or name.endswith("ln_f.weight"):
+                p.copy_(1.0 + (0.2 * torch.randn(p.shape, generator=g) if randomize_norms else 0.0))
+            elif p.ndim == 1 or "qk_bias" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g) if randomize_norms else torch.zeros(p.shape))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return model
+
+
+def tiny_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.02,
+               **overrides) -> LoopedLM:
+    """A randomly initialised preset model (tests and the demo fallback)."""
+    model = build_model(preset_config(name, **overrides))
+    init_weights(model, seed=seed, std=std, randomize_norms=True)
+    return model.to(dtype).eval()
