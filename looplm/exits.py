@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .config import CRITERIA, LoopConfig
 
-DEFAULT_THRESHOLDS = {"kl": 5e-4, "latent_diff": 0.03, "entropy_diff": 1e-3}  # Huginn's "auto" values
+DEFAULT_THRESHOLDS = {"kl": 1e-3, "latent_diff": 0.03, "entropy_diff": 1e-3}  # Huginn's "auto" values
 OUTPUT_CRITERIA = ("kl", "entropy_diff")  # need the coda + head at every step
 
 

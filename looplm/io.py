@@ -51,9 +51,10 @@ def _tensor_files(folder: Path) -> list[Path]:
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
+    single = folder / "model.safetensors"
+    files = [single] if single.exists() else sorted(folder.glob("model*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
+        raise FileNotFoundError(f"no model*.safetensors in {folder}")
     return files
 
 

@@ -1,0 +1,62 @@
+"""Sampling parameters (validated at the boundary) and stop-string handling. Pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # per-request generator; None draws from the engine's seed
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the log-prob of each chosen token
+    # per-request exit policy overrides (None: the engine's setting)
+    exit_threshold: float | None = None
+    r_min: int | None = None
+    r_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field_name: str, why: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter {field_name}: {why}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.exit_threshold is not None and not isinstance(self.exit_threshold, (int, float)):
+            raise bad("exit_threshold", f"must be a number, got {self.exit_threshold!r}")
+        for name in ("r_min", "r_max"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise bad(name, f"must be a positive integer, got {v!r}")
+        if self.r_min is not None and self.r_max is not None and self.r_min > self.r_max:
+            raise bad("r_min", f"r_min={self.r_min} exceeds r_max={self.r_max}")
+
+
+def find_stop(text: str, stops: list[str], start: int) -> int:
+    """Index in `text` where the earliest stop string begins, searching from `start`; -1 if none."""
+    best = -1
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i != -1 and (best == -1 or i < best):
+            best = i
+    return best

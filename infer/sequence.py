@@ -1,0 +1,63 @@
+"""A request's bookkeeping as it moves through the four queues. Pure Python (no torch)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from looplm.exits import ExitPolicy, ExitTracker
+
+from .sampling import SamplingParams
+
+
+class Stage(enum.Enum):
+    WAITING = "waiting"  # queue 1: inactive, waiting for prefill
+    PRELUDE = "prelude"  # queue 2: a decode token waiting for the prelude
+    CORE = "core"  # queue 3: in the loop, waiting for its next core step
+    CODA = "coda"  # queue 4: exited, waiting for the coda
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    policy: ExitPolicy
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stage: Stage = Stage.WAITING
+    finish_reason: str | None = None
+    blocks: list[int] = field(default_factory=list)  # KV block table
+    slot: int = -1  # row of the runner's per-sequence state buffers
+    step: int = 0  # loop steps done by the current decode token
+    tracker: ExitTracker | None = None
+    text: str = ""  # detokenized output (when a tokenizer is attached)
+    stop_checked: int = 0  # chars of `text` already searched for stop strings
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def position(self) -> int:
+        """Position of the token being decoded (the last one produced)."""
+        return self.num_tokens - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.stage is Stage.FINISHED
+
+    def reserved_tokens(self, max_position: int) -> int:
+        """KV rows the request can ever use: prompt + outputs, capped by the context."""
+        return min(len(self.prompt_ids) + self.params.max_tokens, max_position)
