@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from looplm.exits import ExitPolicy, ExitTracker
+from looplm.policy import ExitPolicy, ExitTracker
 
 from .sampling import SamplingParams
 
@@ -40,6 +40,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    text_prompt: str | None = None
+    forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
+    generator: object = None  # the request's torch.Generator (sampling with a seed)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,209 @@
+"""The CDB engine against the sequential reference decoder: token for token and depth for depth
+(greedy, float64), for every policy x KV layout x lookahead x min coda batch x batch size, with
+staggered arrivals; plus invariants under random load and bad input."""
+import functools
+import itertools
+import random
+
+import pytest
+import torch
+
+from infer import LLM, EngineConfig, LLMEngine, SamplingParams
+from looplm import ExitPolicy, tiny_model
+from looplm.reference import reference_generate
+
+ARCHS = ["ouro-tiny", "huginn-tiny"]
+MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
+         "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
+         "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4),
+         "refill_kbig": dict(policy="cdb", refill=True, min_coda_batch=1000)}
+LAYOUTS = ["last_exited", "shared", "full_depth"]
+THRESHOLD = 0.55
+
+
+@functools.lru_cache(maxsize=None)
+def model(arch):
+    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3)
+
+
+def workload(seed, n=6):
+    rng = random.Random(seed)
+    return [([rng.randrange(1, 256) for _ in range(rng.randint(1, 12))], rng.randint(1, 9)) for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch, layout, lookahead, full, seed):
+    m = model(arch)
+    pol = ExitPolicy.from_config(m.cfg, threshold=THRESHOLD, lookahead=lookahead, full_depth=full)
+    return [reference_generate(m, p, n, pol, kv_layout=layout) for p, n in workload(seed)]
+
+
+def run_staggered(engine, reqs, seed):
+    """Add requests a few at a time while the engine is stepping; returns outputs in input order."""
+    rng = random.Random(seed)
+    pending = list(enumerate(reqs))
+    seqs = {}
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and (not engine.has_unfinished() or rng.random() < 0.3):
+            for _ in range(rng.randint(1, 3)):
+                if pending:
+                    i, (p, n) = pending.pop(0)
+                    seqs[i] = engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+        engine.step()
+        steps += 1
+        assert steps < 5000, "engine made no progress"
+    return [engine.output(seqs[i]) for i in range(len(reqs))]
+
+
+CASES = [(a, m, lay, la) for a, m, lay, la in itertools.product(ARCHS, MODES, LAYOUTS, [False, True])
+         if not (m == "cb" and (la or lay == "full_depth")) and not (lay == "full_depth" and la)]
+
+
+@pytest.mark.parametrize("arch,mode,layout,lookahead", CASES)
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_engine_equals_reference(arch, mode, layout, lookahead, max_batch):
+    seed = hash((arch, mode, layout, lookahead, max_batch)) % 1000
+    full = mode == "cb" or layout == "full_depth"
+    refs = reference(arch, layout, lookahead, full, seed % 4)
+    cfg = EngineConfig(kv_layout=layout, max_batch_size=max_batch, exit_threshold=THRESHOLD, lookahead=lookahead,
+                       max_prefill_tokens=16, kv_cache_tokens=512, **MODES[mode])
+    eng = LLMEngine(model(arch), cfg)
+    outs = run_staggered(eng, workload(seed % 4), seed)
+    for o, r in zip(outs, refs):
+        assert o.token_ids == r.token_ids
+        assert o.exit_depths == r.exit_depths
+    assert eng.blocks.all_free
+
+
+def test_grid_has_exit_spread():
+    """The equality grid is only meaningful if tokens really exit at different depths."""
+    depths = [d for r in reference("ouro-tiny", "last_exited", False, False, 0) for d in r.exit_depths[1:]]
+    assert len(set(depths)) >= 3
+    depths = [d for r in reference("huginn-tiny", "shared", True, False, 1) for d in r.exit_depths[1:]]
+    assert len(set(depths)) >= 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("seed", range(3))
+def test_invariants_random_load(arch, seed):
+    """Every request finishes, no KV leaks, depths within [r_min, r_max], FIFO admission; with a
+    pool that only fits a few requests at once (admission waits, never deadlocks)."""
+    rng = random.Random(seed)
+    m = model(arch)
+    r_min = rng.randint(1, 2)
+    cfg = EngineConfig(policy="cdb", refill=bool(seed % 2), min_coda_batch=rng.choice([1, 2, 5]),
+                       kv_layout=rng.choice(["last_exited", "shared"]), max_batch_size=rng.choice([2, 4, 16]),
+                       kv_cache_tokens=64, block_size=8, exit_threshold=0.5, r_min=r_min,
+                       lookahead=bool(rng.random() < 0.5))
+    eng = LLMEngine(m, cfg)
+    seqs, steps = [], 0
+    for i in range(25):
+        p = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+        seqs.append(eng.add_request(p, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True,
+                                                      r_max=rng.choice([None, m.cfg.r_max - 1]))))
+        for _ in range(rng.randint(0, 6)):
+            eng.step()
+            steps += 1
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 20000
+    assert all(s.finished and s.finish_reason == "length" for s in seqs)
+    assert all(len(s.output_ids) == s.params.max_tokens for s in seqs)
+    assert eng.blocks.all_free
+    lo = max(r_min, 2 if cfg.lookahead else 1)
+    for s in seqs:
+        assert s.exit_depths[0] == m.cfg.r_max
+        assert all(lo <= d <= s.policy.r_max for d in s.exit_depths[1:])
+    starts = sorted(seqs, key=lambda s: s.first_token_time)
+    assert [s.seq_id for s in starts] == sorted(s.seq_id for s in seqs)  # admitted in arrival order
+
+
+def test_pool_exhaustion_never_deadlocks():
+    m = model("ouro-tiny")
+    llm = LLM(m, dtype="float64", max_batch_size=8, kv_cache_tokens=32, block_size=4, exit_threshold=0.5)
+    outs = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 10, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert llm.engine.blocks.all_free
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        llm.generate([[1] * 20], SamplingParams(max_tokens=40))
+
+
+BAD = [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1] * 600, SamplingParams(), "does not fit the model's context of 512"),
+    ([1, 2, 999], SamplingParams(), "token id 999 outside the vocabulary"),
+    ([1, -1], SamplingParams(), "token id -1"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,msg", BAD)
+def test_bad_prompt_rejected_engine_keeps_serving(prompt, params, msg):
+    m = model("ouro-tiny")
+    eng = LLMEngine(m, EngineConfig(exit_threshold=THRESHOLD))
+    good = eng.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.step()
+    with pytest.raises(ValueError, match=msg):
+        eng.add_request(prompt, params)
+    while eng.has_unfinished():
+        eng.step()
+    assert len(good.output_ids) == 5 and eng.blocks.all_free
+
+
+@pytest.mark.parametrize("kw,field", [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+                                      (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+                                      (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+                                      (dict(r_min=3, r_max=2), "r_min")])
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(ValueError, match=f"invalid sampling parameter {field}"):
+        SamplingParams(**kw)
+
+
+def test_generate_validates_all_before_running():
+    llm = LLM(model("ouro-tiny"), dtype="float64")
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate([[1, 2], []], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.all_free
+    outs = llm.generate([[1, 2], [3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_sampling_seeded_reproducible_and_matches_reference():
+    m = model("huginn-tiny")
+    sp = SamplingParams(max_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    llm = LLM(m, dtype="float64", exit_threshold=THRESHOLD)
+    a = llm.generate([[4, 5, 6], [9, 9]], sp)
+    b = llm.generate([[9, 9], [4, 5, 6]], sp)
+    assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
+    ref = reference_generate(m, [4, 5, 6], 10, ExitPolicy.from_config(m.cfg, threshold=THRESHOLD),
+                             temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+    assert a[0].token_ids == ref.token_ids and a[0].exit_depths == ref.exit_depths
+
+
+def test_stop_token_ids_and_per_request_overrides():
+    m = model("ouro-tiny")
+    llm = LLM(m, dtype="float64", exit_threshold=THRESHOLD)
+    free = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    stop = free.token_ids[3]
+    o = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=10, stop_token_ids=[stop], ignore_eos=True))[0]
+    assert o.finish_reason == "stop" and o.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+    deep = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, r_min=3))[0]
+    assert min(deep.exit_depths) >= 3
+    shallow = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True, r_max=2))[0]
+    assert max(shallow.exit_depths[1:]) <= 2
+
+
+@pytest.mark.parametrize("arch,layout", [("ouro-tiny", "last_exited"), ("huginn-tiny", "shared")])
+def test_teacher_forced_logprobs_equal_reference(arch, layout):
+    m = model(arch)
+    eng = LLMEngine(m, EngineConfig(kv_layout=layout, exit_threshold=THRESHOLD, max_batch_size=4))
+    cases = [([1, 2, 3], [9, 8, 7, 6, 5]), ([4], [44, 45]), ([10, 11, 12, 13], [1] * 7)]
+    seqs = [eng.add_request(ctx, forced_output=cont) for ctx, cont in cases]
+    while eng.has_unfinished():
+        eng.step()
+    pol = ExitPolicy.from_config(m.cfg, threshold=THRESHOLD)
+    for s, (ctx, cont) in zip(seqs, cases):
+        ref = reference_generate(m, ctx, len(cont), pol, kv_layout=layout, forced_tokens=cont)
+        assert s.output_ids == cont and s.exit_depths == ref.exit_depths
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref.logprobs)) < 1e-10
