@@ -38,6 +38,8 @@ class EngineConfig:
     lookahead: bool = False
     full_depth: bool = False  # disable exits (also implied by kv_layout="full_depth" and policy="cb")
     pad_pow2: bool = True
+    cuda_graphs: bool | None = None  # default: on for CUDA devices
+    pipeline: bool | None = None  # lookahead pipeline; default: on for CUDA with lookahead
     seed: int = 0
     trace: bool = False
 
@@ -65,7 +67,9 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: LoopedLM, config: EngineConfig | None = None, tokenizer=None):
+    def __init__(self, model: LoopedLM, config: EngineConfig | None = None, tokenizer=None, runner_cls=None):
+        """`runner_cls` replaces ModelRunner (same constructor and methods): infer/sim.py plugs in a
+        cost-model runner so that the real scheduler and engine run without the model."""
         self.model, self.tokenizer = model, tokenizer
         self.config = c = config or EngineConfig()
         cfg = model.cfg
@@ -77,7 +81,16 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, c.block_size, c.max_batch_size)
         self.scheduler = Scheduler(SchedulerConfig(c.policy, c.refill, c.min_coda_batch, c.max_batch_size,
                                                    c.max_prefill_tokens, cfg.max_position), self.blocks)
-        self.runner = ModelRunner(model, c.kv_layout, self.blocks, self.policy.criterion, c.pad_pow2, c.max_batch_size)
+        on_cuda = model.device.type == "cuda"
+        graphs = on_cuda if c.cuda_graphs is None else c.cuda_graphs
+        self.runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion, c.pad_pow2, c.max_batch_size,
+                                  cuda_graphs=graphs)
+        # Lookahead pipeline: the exit signal of step t decides step t+2, so a core step is launched
+        # before the previous step's scores are read (see _core_pipelined).
+        self.pipeline = (on_cuda and c.lookahead) if c.pipeline is None else c.pipeline
+        if self.pipeline and not c.lookahead:
+            raise ValueError("pipeline=True needs lookahead=True (the exit signal must come one step early)")
+        self._pending = None  # (items, PendingScores) of the last launched core step
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -192,7 +205,7 @@ class LLMEngine:
             sch.after_prelude(seqs)
             return []
         if work.stage == "core":
-            exited = sch.after_core(seqs, r.core(seqs))
+            exited = self._core_pipelined(seqs) if self.pipeline else sch.after_core(seqs, r.core(seqs))
             if exited:
                 r.mark_exited(exited)
             return []
@@ -213,6 +226,22 @@ class LLMEngine:
             return self._emit(seqs, logits, [d] * len(seqs))
         raise AssertionError(work.stage)
 
+    def _core_pipelined(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Launch step t, then read step t-1's scores while t runs. With lookahead the scores of
+        t-1 already decide who exits after t, so the device never waits for the host's decision;
+        the decisions equal the synchronous path's (same tracker calls in the same order)."""
+        launched = self.runner.core_async(seqs)
+        prev, self._pending = self._pending, (seqs, launched)
+        if prev is not None:
+            items, pending = prev
+            for s, score in zip(items, pending.get()):
+                if s.stage is Stage.CORE and s.step_scored < s.step:
+                    s.tracker.after_step(s.step, score)
+                    s.step_scored = s.step
+        for s in seqs:
+            s.step += 1
+        return self.scheduler.take_exited(seqs)
+
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor, depths: list[int], decode: bool = True
               ) -> list[Sequence]:
         """Sample the next token of each sequence, check its stop conditions, queue the rest."""
@@ -225,6 +254,7 @@ class LLMEngine:
             p = s.params
             if s.forced is not None:
                 tok = s.forced[len(s.output_ids)]
+                s.forced_greedy = s.forced_greedy and tok == greedy[i]
             elif p.temperature == 0:
                 tok = greedy[i]
             else:

@@ -3,10 +3,17 @@
 Tensors live here. Per-sequence loop state (state, injection, criterion memory) sits in static
 buffers indexed by the sequence's slot; KV goes through the layout (kv_layouts). Decode batches
 are padded to powers of two: padded items use the scratch slot and the layout's scratch row, so
-they write no real KV and are never sampled. On CUDA, core steps can replay CUDA graphs captured
-per (padded batch, context bucket) - see `graphs.py`; the CPU path is the same code without them.
+they write no real KV and are never sampled.
+
+Decode stages (prelude, core, coda, CB's fused iteration) share one metadata format, so on CUDA
+each can replay a CUDA graph captured per (stage, padded batch, context bucket) from static
+input buffers (graphs.py). The CPU path runs the same `_body` eagerly. `core_async` returns the
+exit scores as a pending host copy, which lets the engine prepare the next batch while the
+device still runs this one (the lookahead pipeline).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +24,7 @@ from looplm.model import LoopedLM
 from looplm.stages import TokenBatch
 
 from .block_manager import BlockManager
+from .graphs import GraphCache
 from .sequence import Sequence
 
 
@@ -24,9 +32,42 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+@dataclass
+class Meta:
+    """Host-side metadata of a padded decode batch."""
+    ids: list[int]
+    pos: list[int]
+    rows: list[int]
+    steps: list[int]
+    bt: list[list[int]]  # block tables [N, L // block_size]
+    ctx_len: list[int]
+    slots: list[int]
+    n: int  # real items (the rest is padding)
+    L: int  # context length attended (a multiple of the block size)
+
+
+class PendingScores:
+    """Exit scores of a launched core step; `get()` waits for (only) that step."""
+
+    def __init__(self, scores: torch.Tensor, n: int):
+        self.n = n
+        if scores.device.type == "cuda":
+            self.host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+            self.host.copy_(scores, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = scores, None
+
+    def get(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[: self.n].tolist()
+
+
 class ModelRunner:
     def __init__(self, model: LoopedLM, kv_layout: str, blocks: BlockManager, criterion: str,
-                 pad_pow2: bool = True, max_batch_size: int = 64):
+                 pad_pow2: bool = True, max_batch_size: int = 64, cuda_graphs: bool = False):
         self.model, self.cfg, self.blocks, self.criterion = model, model.cfg, blocks, criterion
         self.device, self.dtype = model.device, model.dtype
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
@@ -36,35 +77,90 @@ class ModelRunner:
         self.state = torch.zeros(S, D, dtype=self.dtype, device=self.device)
         self.inj = torch.zeros(S, D, dtype=self.dtype, device=self.device) if self.cfg.arch == "huginn" else None
         self.aux = initial_aux(criterion, S, self.cfg.vocab_size, self.device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device")
+        self.graphs = GraphCache(self) if cuda_graphs else None
 
     def _t(self, xs) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+        t = torch.tensor(xs, dtype=torch.long)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
 
-    # ------------------------------------------------------------------ batches
-    def decode_batch(self, seqs: list[Sequence], steps: list[int] | None = None) -> tuple[TokenBatch, torch.Tensor]:
-        """TokenBatch for the current decode token of each sequence (+ padding) and their slots."""
+    # ------------------------------------------------------------------ decode batches
+    def meta(self, seqs: list[Sequence], steps: list[int] | None = None, bucket_ctx: bool = False) -> Meta:
         bm, B = self.blocks, self.blocks.block_size
         n = len(seqs)
-        N = self.padded(n)
-        pad = N - n
+        pad = self.padded(n) - n
         pos = [s.position for s in seqs]
         ctx_len = [p + 1 for p in pos] + [1] * pad
         L = -(-max(ctx_len) // B) * B
+        if bucket_ctx:  # graphs: a few context buckets instead of one graph per length
+            L = min(max(B, next_pow2(L)), -(-self.cfg.max_position // B) * B)
         nb = L // B
         bt = [s.blocks[:nb] + [0] * (nb - min(nb, len(s.blocks))) for s in seqs] + [[0] * nb] * pad
-        rows = [bm.row(s.blocks, p) for s, p in zip(seqs, pos)] + [self.layout.scratch_row] * pad
-        bt_t = self._t(bt)
+        return Meta(ids=[s.output_ids[-1] for s in seqs] + [0] * pad, pos=pos + [0] * pad,
+                    rows=[bm.row(s.blocks, p) for s, p in zip(seqs, pos)] + [self.layout.scratch_row] * pad,
+                    steps=(steps or [s.step + 1 for s in seqs]) + [1] * pad, bt=bt, ctx_len=ctx_len,
+                    slots=[s.slot for s in seqs] + [self.scratch_slot] * pad, n=n, L=L)
+
+    def tensors(self, m: Meta) -> dict[str, torch.Tensor]:
+        return {"ids": self._t(m.ids), "pos": self._t(m.pos), "rows": self._t(m.rows), "steps": self._t(m.steps),
+                "bt": self._t(m.bt), "ctx_len": self._t(m.ctx_len), "slots": self._t(m.slots)}
+
+    def batch_from(self, t: dict[str, torch.Tensor]) -> TokenBatch:
+        B = self.blocks.block_size
+        L = t["bt"].shape[1] * B
         j = torch.arange(L, device=self.device)
-        ctx_rows = bt_t[:, j // B] * B + j % B  # [N, L]
-        batch = TokenBatch(
-            ids=self._t([s.output_ids[-1] for s in seqs] + [0] * pad), positions=self._t(pos + [0] * pad),
-            rows=self._t(rows), steps=self._t((steps or [s.step + 1 for s in seqs]) + [1] * pad),
-            ctx_rows=ctx_rows, ctx_len=self._t(ctx_len))
-        slots = self._t([s.slot for s in seqs] + [self.scratch_slot] * pad)
-        return batch, slots
+        ctx_rows = t["bt"][:, j // B] * B + j % B  # [N, L]
+        return TokenBatch(ids=t["ids"], positions=t["pos"], rows=t["rows"], steps=t["steps"], ctx_rows=ctx_rows,
+                          ctx_len=t["ctx_len"])
+
+    def body(self, stage: str, t: dict[str, torch.Tensor], r_max: int = 0) -> torch.Tensor | None:
+        """One decode stage over a padded batch, reading and writing only static buffers (so it
+        can be captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
+        m, lay, slots = self.model, self.layout, t["slots"]
+        batch = self.batch_from(t)
+        if stage == "prelude":
+            state, inj = stages.prelude(m, lay, batch)
+            self.state.index_copy_(0, slots, state)
+            if self.inj is not None:
+                self.inj.index_copy_(0, slots, inj)
+            if self.aux is not None:
+                self.aux.index_copy_(0, slots, initial_aux(self.criterion, slots.shape[0], self.cfg.vocab_size,
+                                                           self.device))
+            return None
+        if stage == "core":
+            inj = self.inj[slots] if self.inj is not None else None
+            aux = self.aux[slots] if self.aux is not None else None
+            new, scores, aux = stages.core_step(m, lay, batch, self.state[slots], inj, self.criterion, aux)
+            self.state.index_copy_(0, slots, new)
+            if aux is not None:
+                self.aux.index_copy_(0, slots, aux)
+            return scores
+        if stage == "coda":
+            return stages.coda(m, lay, batch, self.state[slots])
+        if stage == "fused":  # CB: prelude + r_max core steps + coda, no scheduling in between
+            state, inj = stages.prelude(m, lay, batch)
+            rope = m.rope(batch.positions)
+            att = stages.KVAttention(lay, batch)
+            for s in range(1, r_max + 1):
+                att.step = s
+                state = m.core_step(state, inj, rope, att)
+            att.step = None
+            return m.head(m.coda(state, rope, att))
+        raise ValueError(stage)
+
+    def run(self, stage: str, seqs: list[Sequence], steps: list[int] | None = None, r_max: int = 0):
+        graphed = self.graphs is not None
+        meta = self.meta(seqs, steps, bucket_ctx=graphed)
+        with torch.inference_mode():
+            if graphed:
+                return self.graphs.run(stage, meta, r_max), meta.n
+            return self.body(stage, self.tensors(meta), r_max), meta.n
 
     # ------------------------------------------------------------------ stages
     @torch.inference_mode()
@@ -83,49 +179,26 @@ class ModelRunner:
                            steps=torch.ones(len(ids), dtype=torch.long, device=self.device), seq_ids=self._t(sid))
         return stages.prefill(self.model, self.layout, batch, self._t(last))
 
-    @torch.inference_mode()
     def prelude(self, seqs: list[Sequence]) -> None:
-        batch, slots = self.decode_batch(seqs, steps=[1] * len(seqs))
-        state, inj = stages.prelude(self.model, self.layout, batch)
-        self.state.index_copy_(0, slots, state)
-        if self.inj is not None:
-            self.inj.index_copy_(0, slots, inj)
-        if self.aux is not None:
-            self.aux[slots] = initial_aux(self.criterion, 1, self.cfg.vocab_size, self.device)
+        self.run("prelude", seqs, steps=[1] * len(seqs))
 
-    @torch.inference_mode()
+    def core_async(self, seqs: list[Sequence]) -> PendingScores:
+        """Launch one loop step for every item (each at its own depth)."""
+        scores, n = self.run("core", seqs)
+        return PendingScores(scores, n)
+
     def core(self, seqs: list[Sequence]) -> list[float]:
-        """One loop step for every item (each at its own depth); returns their exit scores."""
-        batch, slots = self.decode_batch(seqs)
-        inj = self.inj[slots] if self.inj is not None else None
-        aux = self.aux[slots] if self.aux is not None else None
-        new, scores, aux = stages.core_step(self.model, self.layout, batch, self.state[slots], inj, self.criterion, aux)
-        self.state.index_copy_(0, slots, new)
-        if aux is not None:
-            self.aux.index_copy_(0, slots, aux)
-        return scores[: len(seqs)].tolist()
+        return self.core_async(seqs).get()
 
     def mark_exited(self, seqs: list[Sequence]) -> None:
         """The layout's on-exit hook (last_exited fill) for tokens that left the loop."""
         rows = self._t([self.blocks.row(s.blocks, s.position) for s in seqs])
         self.layout.on_exit(rows, self._t([s.step for s in seqs]))
 
-    @torch.inference_mode()
     def coda(self, seqs: list[Sequence]) -> torch.Tensor:
-        batch, slots = self.decode_batch(seqs)
-        return stages.coda(self.model, self.layout, batch, self.state[slots])[: len(seqs)]
+        logits, n = self.run("coda", seqs)
+        return logits[:n]
 
-    @torch.inference_mode()
     def fused(self, seqs: list[Sequence], r_max: int) -> torch.Tensor:
-        """CB's decode iteration: prelude + r_max core steps + coda as one forward, no scheduling
-        in between (what a token-level engine runs). Returns logits [n, V]."""
-        batch, _ = self.decode_batch(seqs, steps=[1] * len(seqs))
-        m, lay = self.model, self.layout
-        state, inj = stages.prelude(m, lay, batch)
-        rope = m.rope(batch.positions)
-        att = stages.KVAttention(lay, batch)
-        for s in range(1, r_max + 1):
-            att.step = s
-            state = m.core_step(state, inj, rope, att)
-        att.step = None
-        return m.head(m.coda(state, rope, att))[: len(seqs)]
+        logits, n = self.run("fused", seqs, steps=[1] * len(seqs), r_max=r_max)
+        return logits[:n]

@@ -135,7 +135,7 @@ class Scheduler:
         ids = {id(s) for s in seqs}
         self.prelude_q = [s for s in self.prelude_q if id(s) not in ids]
         for s in seqs:
-            s.stage, s.step, s.tracker = Stage.CORE, 0, ExitTracker(s.policy)
+            s.stage, s.step, s.step_scored, s.tracker = Stage.CORE, 0, 0, ExitTracker(s.policy)
         self.core_q.extend(seqs)
 
     def after_core(self, seqs: list[Sequence], scores: list[float]) -> list[Sequence]:
@@ -145,6 +145,19 @@ class Scheduler:
             s.step += 1
             if s.tracker.after_step(s.step, score):
                 exited.append(s)
+        if exited:
+            ids = {id(s) for s in exited}
+            self.core_q = [s for s in self.core_q if id(s) not in ids]
+            for s in exited:
+                s.stage = Stage.CODA
+            self.coda_q.extend(exited)
+        return exited
+
+    def take_exited(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Pipelined core (lookahead): items whose exit after their current step is already known
+        (decided from the previous step's signal, or r_max) leave for the coda queue."""
+        exited = [s for s in seqs if s.step >= s.policy.r_max or
+                  (s.tracker.exit_at is not None and s.step >= s.tracker.exit_at)]
         if exited:
             ids = {id(s) for s in exited}
             self.core_q = [s for s in self.core_q if id(s) not in ids]

@@ -34,6 +34,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # KV block table
     slot: int = -1  # row of the runner's per-sequence state buffers
     step: int = 0  # loop steps done by the current decode token
+    step_scored: int = 0  # pipelined core: steps whose exit score the tracker has seen
     tracker: ExitTracker | None = None
     text: str = ""  # detokenized output (when a tokenizer is attached)
     stop_checked: int = 0  # chars of `text` already searched for stop strings
@@ -42,6 +43,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     text_prompt: str | None = None
     forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
+    forced_greedy: bool = True  # teacher forcing: every forced token so far was the argmax
     generator: object = None  # the request's torch.Generator (sampling with a seed)
 
     @property

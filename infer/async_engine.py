@@ -1,0 +1,339 @@
+"""An asyncio front for the single-threaded `LLMEngine`.
+
+One engine thread owns the engine (and the tokenizer): it drains a command queue (add, abort),
+runs one stage with `step()`, and hands each request's new tokens to the event loop as a `Delta`.
+The event loop never touches the engine, so the HTTP side stays responsive while a stage runs.
+
+Failure isolation: an error while turning one request's tokens into a `Delta` fails that request
+only; an error inside `step()` (which runs a whole batch) fails the requests that were running and
+the engine thread keeps serving the rest of the queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import LLMEngine
+from .protocol import APIError, end_of_turn_ids, render_chat
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+log = logging.getLogger("infer.serve")
+
+
+@dataclass
+class Delta:
+    """What one request gained since its previous delta."""
+    token_ids: list[int]
+    exit_depths: list[int]
+    text: str = ""  # new text; held back near a possible stop string or a partial UTF-8 character
+    logprobs: list[float] | None = None
+    tokens: list[str] | None = None  # token strings (with logprobs)
+    finish_reason: str | None = None
+    error: str | None = None  # the request failed; the stream ends here
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_tokens: int = 0
+    finished: bool = False
+
+    async def next(self) -> Delta:
+        """The next delta, merged with any others already queued (one SSE chunk under backpressure)."""
+        d = await self.queue.get()
+        while not d.done and not self.queue.empty():
+            d = merge(d, self.queue.get_nowait())
+        if d.done:
+            self.finished = True
+        return d
+
+
+def merge(a: Delta, b: Delta) -> Delta:
+    return Delta(a.token_ids + b.token_ids, a.exit_depths + b.exit_depths, a.text + b.text,
+                 None if a.logprobs is None else a.logprobs + (b.logprobs or []),
+                 None if a.tokens is None else a.tokens + (b.tokens or []), b.finish_reason, b.error)
+
+
+class Overloaded(Exception):
+    """The waiting queue is full or the server is shutting down (HTTP 503)."""
+
+
+@dataclass
+class _Pub:  # per-request publishing state (engine thread)
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    holdback: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, rate_window_s: float = 10.0):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.max_position = engine.model.cfg.max_position
+        self.max_waiting = max_waiting
+        self.rate_window_s = rate_window_s
+        self.chat_stop_ids = end_of_turn_ids(self.tokenizer)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.streams: dict[str, RequestStream] = {}  # event-loop side
+        self.not_started: set[str] = set()  # accepted, no token yet (event-loop side): the waiting queue
+        self._cmds: deque = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._pub: dict[str, _Pub] = {}  # engine-thread side
+        self.closing = False
+        self.counters = {"requests_finished": {}, "requests_failed": 0, "requests_rejected": 0,
+                         "prompt_tokens": 0, "generation_tokens": 0, "step_errors": 0}
+        self.snapshot: dict = {}
+        self._rate: deque = deque()  # (time, generated tokens so far)
+        self._publish_snapshot()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Abort whatever is still in flight and stop the engine thread (after uvicorn drained)."""
+        self.closing = True
+        for rid in list(self.streams):
+            self.abort(rid)
+            self._deliver([(rid, Delta([], [], error="the server is shutting down"))])
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    # ------------------------------------------------------------------ requests (event loop)
+    async def add(self, prompt: str | list[int] | None, params: dict, *, messages: list[dict] | None = None,
+                  max_tokens_given: bool = True) -> RequestStream:
+        """Queue a request. Raises APIError (400) on bad input, Overloaded (503) when full."""
+        if self.closing or not self.alive:
+            raise Overloaded("the server is shutting down")
+        if len(self.not_started) >= self.max_waiting:
+            self.counters["requests_rejected"] += 1
+            raise Overloaded(f"the server is at capacity: {len(self.not_started)} requests are already waiting "
+                             f"for a free slot / KV memory (limit --max-waiting {self.max_waiting}); retry later")
+        rid = uuid.uuid4().hex
+        stream = RequestStream(rid)
+        fut = self.loop.create_future()
+        self.streams[rid] = stream
+        self.not_started.add(rid)
+        self._cmds.append(("add", rid, prompt, messages, params, max_tokens_given, fut, time.perf_counter()))
+        self._wake.set()
+        try:
+            stream.prompt_tokens = await fut
+        except BaseException:
+            self.abort(rid)  # rejected (a no-op then) or cancelled while queued (the engine may have added it)
+            raise
+        return stream
+
+    def abort(self, rid: str) -> None:
+        """Stop a request and free its KV (no-op if it already finished). Safe from the event loop."""
+        if self.streams.pop(rid, None) is not None or rid in self.not_started:
+            self.not_started.discard(rid)
+            self._cmds.append(("abort", rid))
+            self._wake.set()
+
+    def _deliver(self, items: list[tuple[str, Delta]]) -> None:  # runs on the event loop
+        for rid, d in items:
+            self.not_started.discard(rid)
+            stream = self.streams.get(rid)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(d)
+            if d.done:
+                del self.streams[rid]
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stop:
+                self._wake.clear()
+                self._drain()
+                if self.engine.has_unfinished():
+                    self._step()
+                else:
+                    self._publish_snapshot()
+                    self._wake.wait(0.25)
+            self._drain()
+            for rid in list(self._pub):  # stop: free everything that is left
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            self._pub.clear()
+            self._publish_snapshot()
+
+    def _drain(self) -> None:
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            if cmd[0] == "abort":
+                rid = cmd[1]
+                if rid in self._pub:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
+                    del self._pub[rid]
+                continue
+            _, rid, prompt, messages, params, given, fut, arrival = cmd
+            try:
+                n = self._add(rid, prompt, messages, params, given, arrival)
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the thread keeps going
+                err = e if isinstance(e, APIError) else APIError(500, f"internal error while adding the request: "
+                                                                 f"{type(e).__name__}: {e}", type_="internal_server_error")
+                if not isinstance(e, APIError):
+                    log.error("add failed: %s", traceback.format_exc())
+                self._resolve(fut, exc=err)
+            else:
+                self._resolve(fut, result=n)
+
+    def _resolve(self, fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
+        def set_():
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(result)
+        self.loop.call_soon_threadsafe(set_)
+
+    def _add(self, rid: str, prompt, messages, params: dict, given: bool, arrival: float) -> int:
+        tok, field_ = self.tokenizer, "prompt"
+        if messages is not None:
+            field_ = "messages"
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer, so chat is unavailable; send token ids to "
+                                    "/v1/completions", "messages")
+            prompt = render_chat(messages, tok)
+            ids = tok.encode(prompt, add_special_tokens=False)
+            params = {**params, "stop_token_ids": params["stop_token_ids"] + self.chat_stop_ids}
+        elif isinstance(prompt, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as an array of token ids", "prompt")
+            ids = tok.encode(prompt)
+        else:
+            ids = list(prompt)
+        if params["stop"] and tok is None:
+            raise APIError(400, "stop strings need a tokenizer, which this model lacks; use stop_token_ids", "stop")
+        ctx = self.max_position
+        if not ids:
+            raise APIError(400, f"'{field_}' encodes to zero tokens", field_)
+        if len(ids) >= ctx:
+            raise APIError(400, f"the {field_} has {len(ids)} tokens, but this model's context is {ctx} tokens "
+                                f"(at least one position must remain for the output)", field_,
+                           code="context_length_exceeded")
+        if not given:
+            params = {**params, "max_tokens": ctx - len(ids)}
+        elif len(ids) + params["max_tokens"] > ctx:
+            raise APIError(400, f"this model's context is {ctx} tokens, but the {field_} has {len(ids)} tokens and "
+                                f"max_tokens is {params['max_tokens']} ({len(ids) + params['max_tokens']} in all); "
+                                f"lower max_tokens", "max_tokens", code="context_length_exceeded")
+        try:
+            sp = SamplingParams(**params)
+            self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival)
+        except ValueError as e:
+            msg = str(e)
+            param = msg.split(":")[0].rsplit(" ", 1)[-1] if msg.startswith("invalid sampling parameter") else field_
+            raise APIError(400, msg, param) from None
+        holdback = max((len(s) for s in sp.stop), default=1) - 1
+        self._pub[rid] = _Pub(holdback=holdback)
+        self.counters["prompt_tokens"] += len(ids)
+        return len(ids)
+
+    def _step(self) -> None:
+        try:
+            seqs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one batch failed: fail its requests, keep serving
+            self.counters["step_errors"] += 1
+            log.error("engine step failed: %s", traceback.format_exc())
+            self._fail_running(f"internal error in the engine: {type(e).__name__}: {e}")
+            return
+        items = []
+        for s in seqs:
+            pub = self._pub.get(s.request_id)
+            if pub is None:
+                continue
+            try:
+                d = self.delta(s, pub)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                log.error("request %s failed: %s", s.request_id, traceback.format_exc())
+                self.engine.abort(s.request_id)
+                d = Delta([], [], error=f"internal error while processing the request: {type(e).__name__}: {e}")
+            if d.done:
+                self._finish(s.request_id, d)
+            items.append((s.request_id, d))
+        if items:
+            self.loop.call_soon_threadsafe(self._deliver, items)
+        self._publish_snapshot()
+
+    def _finish(self, rid: str, d: Delta) -> None:
+        self.engine.release(rid)
+        self._pub.pop(rid, None)
+        if d.error is not None:
+            self.counters["requests_failed"] += 1
+        else:
+            fr = self.counters["requests_finished"]
+            fr[d.finish_reason] = fr.get(d.finish_reason, 0) + 1
+
+    def _fail_running(self, message: str) -> None:
+        """After a failed step the batch's state is unknown: fail every request that had started."""
+        items = []
+        for rid in list(self._pub):
+            seq = self.engine.seqs.get(rid)
+            if seq is not None and seq.slot < 0 and not seq.output_ids:
+                continue  # still waiting for prefill: untouched, keep it
+            self.engine.abort(rid)
+            d = Delta([], [], error=message)
+            self._finish(rid, d)
+            items.append((rid, d))
+        if items:
+            self.loop.call_soon_threadsafe(self._deliver, items)
+        self._publish_snapshot()
+
+    def delta(self, s: Sequence, pub: _Pub) -> Delta:
+        """The tokens and text `s` produced since the last delta."""
+        n0 = pub.sent_tokens
+        ids, depths = s.output_ids[n0:], s.exit_depths[n0:]
+        pub.sent_tokens = len(s.output_ids)
+        self.counters["generation_tokens"] += len(ids)
+        lps = toks = None
+        if s.params.logprobs:
+            lps = s.logprobs[n0:]
+            toks = ([self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None
+                    else [f"token_id:{t}" for t in ids])
+        visible = s.text
+        if not s.finished:  # never send what a stop string could still cut, nor half a character
+            visible = visible[:len(visible) - pub.holdback].rstrip("\ufffd")
+        text = visible[pub.sent_chars:] if len(visible) > pub.sent_chars else ""
+        pub.sent_chars = max(pub.sent_chars, len(visible))
+        return Delta(ids, depths, text, lps, toks, s.finish_reason)
+
+    def _publish_snapshot(self) -> None:
+        e, now = self.engine, time.perf_counter()
+        q = e.queue_lengths()
+        gen = self.counters["generation_tokens"]
+        self._rate.append((now, gen))
+        while len(self._rate) > 2 and now - self._rate[1][0] > self.rate_window_s:
+            self._rate.popleft()
+        t0, g0 = self._rate[0]
+        self.snapshot = {  # replaced whole: readers on the event loop see one consistent dict
+            "running": e.scheduler.num_running, "waiting": q["waiting"] + sum(c[0] == "add" for c in list(self._cmds)),
+            "queues": q, "kv_usage": e.kv_usage(), "kv_free_blocks": len(e.blocks.free_blocks),
+            "kv_total_blocks": e.blocks.num_blocks, "kv_all_free": e.blocks.all_free,
+            "tokens_per_s": (gen - g0) / (now - t0) if now > t0 else 0.0, "mean_exit_depth": e.mean_exit_depth,
+            "decode_tokens": e.stats["tokens"], "stage_calls": dict(e.stats["stage_calls"]),
+            "counters": {**self.counters, "requests_finished": dict(self.counters["requests_finished"])},
+            "time": now}
+

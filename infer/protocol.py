@@ -1,0 +1,258 @@
+"""OpenAI request parsing for the server: JSON bodies in, validated `GenRequest`s out.
+
+Every rejection is an `APIError` shaped like OpenAI's (`{"error": {"message", "type", "param",
+"code"}}`) that names the offending field. Pure Python: no torch, no FastAPI.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_MESSAGES = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SUPPORTED_RESPONSE_FORMATS = (None, "text")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code=code)
+
+
+@dataclass
+class GenRequest:
+    """A validated completion or chat request."""
+    kind: str  # "completion" | "chat"
+    prompt: str | list[int] | None  # completions
+    messages: list[dict] | None  # chat (rendered with the chat template in the engine thread)
+    sampling: dict  # SamplingParams keyword arguments (max_tokens may be None: the rest of the context)
+    max_tokens_given: bool
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    model: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    def no_constants(name: str):  # NaN and Infinity are not JSON (Python's parser accepts them)
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object, got {_tname(body)}", code="invalid_json")
+    return body
+
+
+def _tname(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+_KINDS = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def get(body: dict, name: str, kind: str, default=None):
+    """body[name] checked against a JSON type; null or absent gives `default`."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _KINDS[kind](v):
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise bad(name, f"invalid type for '{name}': expected {article} {kind}, got {_tname(v)}")
+    return v
+
+
+def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(v, list) or not all(_KINDS["integer"](t) for t in v):
+        raise bad(name, f"'{name}' must be an array of integer token ids")
+    for t in v:
+        if not 0 <= t < vocab_size:
+            raise bad(name, f"'{name}' has token id {t} outside the vocabulary [0, {vocab_size})")
+    return v
+
+
+def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
+    """The shared sampling fields (OpenAI's, vLLM's top_k / stop_token_ids / ignore_eos, and ours)."""
+    n = get(body, "n", "integer", 1)
+    if n != 1:
+        raise bad("n", f"only n=1 is supported, got n={n}")
+    best_of = get(body, "best_of", "integer", 1)
+    if best_of != 1:
+        raise bad("best_of", f"only best_of=1 is supported, got {best_of}")
+    max_tokens = get(body, "max_tokens", "integer")
+    if max_tokens is None and "max_completion_tokens" in body:
+        max_tokens = get(body, "max_completion_tokens", "integer")
+        if max_tokens is not None and max_tokens < 1:
+            raise bad("max_completion_tokens", f"'max_completion_tokens' must be at least 1, got {max_tokens}")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad("max_tokens", f"'max_tokens' must be at least 1, got {max_tokens}")
+    temperature = get(body, "temperature", "number", 1.0)
+    if temperature < 0:
+        raise bad("temperature", f"'temperature' must be >= 0, got {temperature}")
+    top_p = get(body, "top_p", "number", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+    top_k = get(body, "top_k", "integer", 0)
+    if top_k < -1:
+        raise bad("top_k", f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}")
+    seed = get(body, "seed", "integer")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise bad("seed", f"'seed' must be a non-negative 64-bit integer, got {seed}")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("stop", f"invalid type for 'stop': expected a string or an array of strings, got {_tname(stop)}")
+    if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_LEN for s in stop):
+        raise bad("stop", f"'stop' takes at most {MAX_STOP} non-empty strings of at most {MAX_STOP_LEN} characters")
+    stop_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", vocab_size)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if get(body, name, "number", 0.0) != 0:
+            raise bad(name, f"'{name}' is not supported by this server (use 0)")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "'logit_bias' is not supported by this server")
+    ignore_eos = get(body, "ignore_eos", "boolean", False)
+    # extensions: the per-request exit policy
+    thr = get(body, "exit_threshold", "number")
+    r_lo, r_hi = get(body, "r_min", "integer"), get(body, "r_max", "integer")
+    for name, v in (("r_min", r_lo), ("r_max", r_hi)):
+        if v is not None and not 1 <= v <= r_max:
+            raise bad(name, f"'{name}' must be in [1, {r_max}] (the model's r_max), got {v}")
+    if r_lo is not None and r_hi is not None and r_lo > r_hi:
+        raise bad("r_min", f"'r_min' ({r_lo}) exceeds 'r_max' ({r_hi})")
+    sampling = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
+                    seed=seed, stop=stop, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos,
+                    exit_threshold=None if thr is None else float(thr), r_min=r_lo, r_max=r_hi)
+    return sampling, max_tokens is not None
+
+
+def _common(body: dict) -> tuple[str | None, bool, bool]:
+    model = get(body, "model", "string")
+    stream = get(body, "stream", "boolean", False)
+    opts = get(body, "stream_options", "object")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        include_usage = bool(get(opts, "include_usage", "boolean", False))
+    return model, stream, include_usage
+
+
+def parse_completion(body: dict, vocab_size: int, r_max: int) -> GenRequest:
+    model, stream, include_usage = _common(body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt", "'prompt' is required")
+    p = body["prompt"]
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise bad("prompt", f"only one prompt per request is supported, got {len(p)}")
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt", "'prompt' is empty")
+    elif isinstance(p, list):
+        if not p:
+            raise bad("prompt", "'prompt' is empty")
+        p = _token_ids(p, "prompt", vocab_size)
+    else:
+        raise bad("prompt", f"invalid type for 'prompt': expected a string or an array of token ids, got {_tname(p)}")
+    if get(body, "echo", "boolean", False):
+        raise bad("echo", "'echo' is not supported by this server")
+    if body.get("suffix"):
+        raise bad("suffix", "'suffix' is not supported by this server")
+    lp = get(body, "logprobs", "integer")
+    if lp is not None and not 0 <= lp <= 1:
+        raise bad("logprobs", f"'logprobs' must be 0 or 1: this server returns the sampled token's log-prob only "
+                              f"(no alternatives), got {lp}")
+    sampling, given = _sampling(body, vocab_size, r_max)
+    if not given:
+        sampling["max_tokens"] = 16  # OpenAI's default for completions
+        given = True
+    sampling["logprobs"] = lp is not None
+    return GenRequest("completion", p, None, sampling, given, stream, include_usage, lp is not None, model)
+
+
+def _content(v: Any, where: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):  # content parts: text only
+        out = []
+        for part in v:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad("messages", f"{where}.content: only text content parts are supported")
+            out.append(part["text"])
+        return "".join(out)
+    raise bad("messages", f"{where}.content must be a string or an array of text parts, got {_tname(v)}")
+
+
+def parse_chat(body: dict, vocab_size: int, r_max: int) -> GenRequest:
+    model, stream, include_usage = _common(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty array of {role, content} objects")
+    if len(msgs) > MAX_MESSAGES:
+        raise bad("messages", f"at most {MAX_MESSAGES} messages per request")
+    clean = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad("messages", f"{where} must be an object, got {_tname(m)}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad("messages", f"{where}.role must be one of {list(ROLES)}, got {role!r}")
+        content = m.get("content")
+        clean.append({"role": role, "content": "" if content is None and role == "assistant"
+                      else _content(content, where)})
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad(name, f"'{name}' is not supported by this server")
+    rf = get(body, "response_format", "object")
+    if rf is not None and rf.get("type") not in SUPPORTED_RESPONSE_FORMATS:
+        raise bad("response_format", "only the 'text' response format is supported")
+    lp = get(body, "logprobs", "boolean", False)
+    top = get(body, "top_logprobs", "integer", 0)
+    if top:
+        raise bad("top_logprobs", "'top_logprobs' is not supported: only the sampled token's log-prob is returned")
+    sampling, given = _sampling(body, vocab_size, r_max)
+    sampling["logprobs"] = lp
+    return GenRequest("chat", None, clean, sampling, given, stream, include_usage, lp, model)
+
+
+def render_chat(messages: list[dict], tokenizer) -> str:
+    """The tokenizer's chat template, or a plain `role: content` transcript when it has none."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn under common chat templates (stop ids for chat)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    return [vocab[t] for t in END_OF_TURN if t in vocab]

@@ -1,0 +1,336 @@
+"""Simulator: the real scheduler and the real engine (infer/engine.py) driven by a cost model
+instead of the model. `SimRunner` has ModelRunner's methods; each call advances a virtual clock by
+the cost model's time for that stage and batch, and returns tiny tensors: core steps return exit
+scores that make every token leave at a depth drawn from a recorded trace or a distribution (the
+engine runs the "learned" criterion at threshold 0.5, the runner answers +30 / -30).
+
+Two cost models: `FittedCost` (the latency model of infer/latency.py fitted on this machine's
+engine trace) and `RooflineCost` (per stage max(bytes / bandwidth, FLOPs / peak) + a launch
+overhead, for a GPU such as the H100, on the real Ouro-1.4B / Huginn-3.5B shapes).
+
+    python -m infer.sim --model ouro-1.4b --workloads alpaca sharegpt arxiv --ks 1 4 16 --out results/sim
+
+The output is the benchmark's JSON (infer/bench.py), with virtual seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from looplm.config import LoopConfig
+
+from . import bounds as B
+from .bench import bounds_block, format_table, modes_for, plot, raw_from, summarize
+from .latency import StageFit
+from .runner import next_pow2
+from .workloads import WORKLOADS, Request, describe, make_requests, mean_decode_context
+
+# The paper's two models at their real shapes (bf16 on one 80 GB H100). Vocabulary as stored.
+GPU_MODELS = {
+    "ouro-1.4b": LoopConfig(arch="ouro", vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_heads=16,
+                            num_kv_heads=16, head_dim=128, n_prelude=0, n_core=24, n_coda=0, r_max=4,
+                            max_position=4096, exit_criterion="ouro_gate", exit_threshold=0.5),
+    "huginn-3.5b": LoopConfig(arch="huginn", vocab_size=65536, hidden_size=5280, intermediate_size=17920, num_heads=55,
+                              num_kv_heads=55, head_dim=96, n_prelude=2, n_core=4, n_coda=2, r_max=16,
+                              max_position=4096, qk_bias=True, tie_embeddings=True, exit_gate=True,
+                              exit_criterion="learned", exit_threshold=0.5),
+}
+# Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results.md).
+ASSUMED_MEAN_DEPTH = {"ouro-1.4b": 2.5, "huginn-3.5b": 9.0}
+
+
+# ---------------------------------------------------------------------------------- cost models
+@dataclass
+class Call:
+    stage: str  # prefill | prelude | core | coda | fused | mark_exited
+    batch: int
+    padded: int
+    tokens: int
+    context: int  # tokens read (decode: sum of the items' contexts; prefill: prompt tokens)
+    context_sq: int = 0  # prefill: sum of squared prompt lengths (causal attention)
+    r_max: int = 0  # fused: loop steps
+
+
+class FittedCost:
+    """t = delta + gamma N_b + alpha N_c per stage (infer/latency.py), plus the host time between
+    steps that the engine trace does not see (`per_step`). A stage without a fit (CB's fused
+    iteration when only CDB was traced) is prelude + r_max core + coda."""
+
+    def __init__(self, fits: dict[str, StageFit], per_step: float = 0.0):
+        self.fits, self.per_step = fits, per_step
+
+    def _stage(self, stage: str, c: Call) -> float:
+        f = self.fits[stage]
+        return f.predict(c.padded if f.batch_key == "padded" else c.batch, c.context)
+
+    def __call__(self, c: Call) -> float:
+        if c.stage == "mark_exited":
+            return 0.0  # inside the traced core step
+        if c.stage == "fused" and "fused" not in self.fits:
+            return (self._stage("prelude", c) + c.r_max * self._stage("core", c) + self._stage("coda", c)
+                    + self.per_step)
+        return self._stage(c.stage, c) + self.per_step
+
+
+@dataclass
+class RooflineCost:
+    """Each stage call costs max(bytes / bandwidth, FLOPs / peak) + `overhead` (graph launch and
+    scheduling; CB's fused iteration is one launch). Bytes: the stage's weights once per call
+    (core weights once per loop step), the KV it reads (context tokens x its attention layers)
+    and writes. FLOPs: infer/bounds.py counts x the padded batch. Defaults: H100 SXM, bf16."""
+    cfg: LoopConfig
+    bandwidth: float = 3.35e12  # bytes/s
+    peak_flops: float = 989e12  # dense bf16
+    overhead: float = 20e-6  # seconds per stage call
+    dtype_bytes: int = 2
+    kv_layout: str = "last_exited"
+    params: dict = field(init=False)
+
+    def __post_init__(self):
+        self.params = B.stage_params(self.cfg)
+
+    def _roof(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / self.bandwidth, flops / self.peak_flops)
+
+    def _decode(self, stage: str, c: Call) -> float:
+        cfg, db = self.cfg, self.dtype_bytes
+        layers = {"prelude": cfg.n_prelude, "core": cfg.n_core, "coda": cfg.n_coda}[stage]
+        kv = B.kv_bytes_per_token(cfg, layers, db)
+        nbytes = self.params[stage] * db + c.context * kv + c.padded * kv
+        if stage == "prelude":
+            nbytes += c.padded * cfg.hidden_size * db  # embedding rows
+        per_tok = B.stage_flops(cfg, 0)[stage]
+        flops = c.padded * per_tok + 4 * cfg.num_heads * cfg.head_dim * c.context * layers
+        return self._roof(nbytes, flops)
+
+    def __call__(self, c: Call) -> float:
+        cfg, db = self.cfg, self.dtype_bytes
+        if c.stage == "mark_exited":  # last_exited: copy the exit slot's KV into the skipped slots
+            if self.kv_layout != "last_exited":
+                return 0.0
+            return c.tokens * B.kv_bytes_per_token(cfg, cfg.n_core, db) * max(0, cfg.r_max - 1) / 2 / self.bandwidth
+        if c.stage == "prefill":
+            f = B.stage_flops(cfg, 0)
+            apps = cfg.n_prelude + cfg.n_coda + cfg.r_max * cfg.n_core  # attention-layer applications
+            flops = c.tokens * (f["prelude"] + cfg.r_max * f["core"] + f["coda"] - 2 * cfg.hidden_size * cfg.vocab_size)
+            flops += c.batch * 2 * cfg.hidden_size * cfg.vocab_size  # the head on the last position only
+            flops += 2 * cfg.num_heads * cfg.head_dim * c.context_sq * apps  # causal QK^T + AV
+            slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * (cfg.r_max if self.kv_layout != "shared" else 1)
+            nbytes = (self.params["prelude"] + cfg.r_max * self.params["core"] + self.params["coda"]) * db
+            nbytes += c.tokens * B.kv_bytes_per_token(cfg, slots, db)
+            return self._roof(nbytes, flops) + self.overhead
+        if c.stage == "fused":
+            t = self._decode("prelude", c) + c.r_max * self._decode("core", c) + self._decode("coda", c)
+            return t + self.overhead
+        return self._decode(c.stage, c) + self.overhead
+
+
+# ---------------------------------------------------------------------------------- exit depths
+def binomial_depths(r_max: int, mean: float) -> dict[int, float]:
+    """d = 1 + Binomial(r_max - 1, p) with mean `mean`: a unimodal spread over 1..r_max."""
+    from math import comb
+    if not 1 <= mean <= r_max:
+        raise ValueError(f"mean depth {mean} outside [1, {r_max}]")
+    n = r_max - 1
+    p = (mean - 1) / n if n else 0.0
+    return {1 + k: comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1)}
+
+
+def depths_from_distribution(probs: dict[int, float], requests: list[Request], seed: int = 0) -> list[list[int]]:
+    """Per request, the exit depth of every output token (index 0, the prefill's, unused)."""
+    ds, ws = zip(*sorted(probs.items()))
+    out = []
+    for i, r in enumerate(requests):
+        rng = random.Random(f"depths:{seed}:{i}")
+        out.append([max(ds)] + rng.choices(ds, ws, k=max(0, r.output_len - 1)))
+    return out
+
+
+def rescale_depths(per_request: list[list[int]], r_from: int, r_to: int) -> list[list[int]]:
+    """Map recorded depths to another r_max by their fraction of the loop (rounded up)."""
+    return [[max(1, min(r_to, -(-d * r_to // r_from))) for d in ds] for ds in per_request]
+
+
+# ---------------------------------------------------------------------------------- the runner
+class SimModel:
+    """What LLMEngine reads from a model: its config, dtype and device."""
+
+    def __init__(self, cfg: LoopConfig, dtype: torch.dtype = torch.bfloat16):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device("cpu")
+
+
+class _Scores:
+    def __init__(self, scores: list[float]):
+        self.scores = scores
+
+    def get(self) -> list[float]:
+        return self.scores
+
+
+class SimRunner:
+    """ModelRunner's interface on a virtual clock (see the module docstring)."""
+
+    def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
+                 cost, depths: list[list[int]], **_):
+        self.model, self.cfg, self.blocks = model, model.cfg, blocks
+        self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
+        self.cost, self.depths = cost, depths
+        self.clock = 0.0
+        self.trace: list[dict] = []
+
+    def padded(self, n: int) -> int:
+        return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
+
+    def _charge(self, stage: str, seqs, **kw) -> None:
+        n = len(seqs)
+        if stage == "prefill":
+            lens = [len(s.prompt_ids) for s in seqs]
+            c = Call(stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
+        else:
+            c = Call(stage, n, self.padded(n), n, sum(s.num_tokens for s in seqs), **kw)
+        t = self.cost(c)
+        self.clock += t
+        if stage == "mark_exited":
+            if self.trace:
+                self.trace[-1]["seconds"] += t
+            return
+        self.trace.append({"stage": stage, "batch": n, "padded": c.padded, "tokens": c.tokens, "context": c.context,
+                           "seconds": t})
+
+    def _logits(self, n: int) -> torch.Tensor:
+        return torch.tensor([[0.0, 1.0]]).expand(n, 2)  # every token is id 1
+
+    def prefill(self, seqs):
+        self._charge("prefill", seqs)
+        return self._logits(len(seqs))
+
+    def prelude(self, seqs) -> None:
+        self._charge("prelude", seqs)
+
+    def _depth(self, s) -> int:
+        p = s.policy
+        d = self.depths[int(s.request_id)][len(s.output_ids)]
+        return max(p.r_min, min(p.r_max, d))
+
+    def core_async(self, seqs) -> _Scores:
+        self._charge("core", seqs)
+        out = []
+        for s in seqs:
+            step, d = s.step + 1, self._depth(s)
+            fire = step == d - 1 if s.policy.lookahead else step == d  # lookahead: the signal comes a step early
+            out.append(30.0 if fire else -30.0)
+        return _Scores(out)
+
+    def core(self, seqs) -> list[float]:
+        return self.core_async(seqs).get()
+
+    def mark_exited(self, seqs) -> None:
+        self._charge("mark_exited", seqs)
+
+    def coda(self, seqs):
+        self._charge("coda", seqs)
+        return self._logits(len(seqs))
+
+    def fused(self, seqs, r_max: int):
+        self._charge("fused", seqs, r_max=r_max)
+        return self._logits(len(seqs))
+
+
+# ---------------------------------------------------------------------------------- running
+def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]], *,
+                  max_batch_size: int = 64, kv_layout: str = "last_exited", kv_cache_tokens: int | None = None,
+                  lookahead: bool = False, max_prefill_tokens: int = 8192) -> dict:
+    """One mode through the real engine on the virtual clock; the bench's raw record."""
+    from .engine import EngineConfig, LLMEngine
+    from .sampling import SamplingParams
+
+    kw = {k: v for k, v in mode.items() if k != "name"}
+    ecfg = EngineConfig(**kw, kv_layout=kv_layout, max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens,
+                        max_prefill_tokens=max_prefill_tokens, exit_criterion="learned", exit_threshold=0.5,
+                        r_min=2 if lookahead else 1, lookahead=lookahead)
+    eng = LLMEngine(SimModel(cfg), ecfg, runner_cls=partial(SimRunner, cost=cost, depths=depths))
+    seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
+            for i, r in enumerate(requests)]
+    while eng.has_unfinished():
+        eng.step()
+    run = eng.runner
+    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.stats)
+
+
+def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]], modes: list[dict] | None = None,
+             workload: str = "custom", scale: float | str = 1.0, **kw) -> dict:
+    """Every mode on one request list: the bench's workload block (virtual seconds)."""
+    modes = modes or modes_for()
+    raws = {m["name"]: simulate_mode(cfg, requests, m, cost, depths, **kw) for m in modes}
+    results = summarize(raws, cfg, requests, {"simulated": True, **{k: v for k, v in kw.items()}})
+    out = {"workload": describe(requests, workload, scale, cfg.max_position) if workload in WORKLOADS else
+           {"workload": workload, "num_requests": len(requests)},
+           "bounds": bounds_block(cfg, requests), "results": results,
+           "traces": {n: r["trace"] for n, r in raws.items()}}
+    by = {r["mode"]: r for r in results}
+    if "cdb_full_depth" in by and "cb" in by:
+        out["full_depth_vs_cb"] = by["cdb_full_depth"]["output_tokens_per_s"] / by["cb"]["output_tokens_per_s"]
+    cdb = [r for r in results if r["mode"].startswith("cdb_") and r["mode"] != "cdb_full_depth"]
+    if cdb and "cb" in by:
+        best = max(cdb, key=lambda r: r["output_tokens_per_s"])
+        out["best"] = {"mode": best["mode"], "speedup_vs_cb": best["speedup_vs_cb"],
+                       "fraction_of_bound": best["fraction_of_bound"]}
+    return out
+
+
+def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = "last_exited", memory: float = 80e9, util: float = 0.9,
+                   dtype_bytes: int = 2) -> int:
+    """KV rows that fit next to the bf16 weights in `util` of the GPU's memory."""
+    slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * (1 if kv_layout == "shared" else cfg.r_max)
+    p = B.stage_params(cfg)
+    weights = (p["prelude"] + p["core"] + p["coda"] + cfg.vocab_size * cfg.hidden_size) * dtype_bytes
+    return int((memory * util - weights) // B.kv_bytes_per_token(cfg, slots, dtype_bytes))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m infer.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="ouro-1.4b", choices=sorted(GPU_MODELS))
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
+    p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call")
+    p.add_argument("--lookahead", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/sim"))
+    a = p.parse_args(argv)
+    cfg = GPU_MODELS[a.model]
+    mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
+    probs = binomial_depths(cfg.r_max, mean)
+    cost = RooflineCost(cfg, overhead=a.overhead_us * 1e-6, kv_layout=a.kv_layout)
+    kvt = h100_kv_tokens(cfg, a.kv_layout)
+    blocks = []
+    for w in a.workloads:
+        reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_position=cfg.max_position,
+                             vocab_size=cfg.vocab_size)
+        depths = depths_from_distribution(probs, reqs, a.seed)
+        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, max_batch_size=a.max_batch_size,
+                       kv_layout=a.kv_layout, kv_cache_tokens=kvt, lookahead=a.lookahead)
+        print(format_table(blk))
+        blocks.append(blk)
+    a.out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": a.model, "config": cfg.name, "cost_model": "H100 roofline", "bandwidth": cost.bandwidth,
+            "peak_flops": cost.peak_flops, "overhead_s": cost.overhead, "kv_cache_tokens": kvt,
+            "exit_depth_distribution": probs, "mean_exit_depth_assumed": mean, "simulated": True}
+    path = a.out / f"sim_{a.model}.json"
+    path.write_text(json.dumps({**meta, "workloads": [{k: v for k, v in b.items() if k != "traces"} for b in blocks]},
+                               indent=1, default=float))
+    png = plot(blocks, a.out / f"sim_{a.model}.png", f"{a.model} on an H100 (simulated), mean depth {mean}")
+    print(f"json: {path}\nplot: {png}")
+
+
+if __name__ == "__main__":
+    main()
