@@ -156,7 +156,8 @@ class ModelRunner:
 
     def run(self, stage: str, seqs: list[Sequence], steps: list[int] | None = None, r_max: int = 0):
         graphed = self.graphs is not None
-        meta = self.meta(seqs, steps, bucket_ctx=graphed)
+        # on CUDA, eager batches use the graphs' context buckets too: same shapes, same kernels
+        meta = self.meta(seqs, steps, bucket_ctx=self.device.type == "cuda")
         with torch.inference_mode():
             if graphed:
                 return self.graphs.run(stage, meta, r_max), meta.n
