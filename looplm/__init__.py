@@ -1,9 +1,19 @@
-"""Looped language models (Ouro- and Huginn-style): config, layers, checkpoint IO, exit criteria."""
-from .config import LoopConfig
-from .exits import ExitPolicy, ExitTracker
-from .io import build_model, load_pretrained, load_tokenizer, resolve_dtype, save_pretrained
-from .model import LoopedLM, LoopOutput
-from .presets import PRESETS, preset_config, tiny_model
+"""Looped language models (Ouro- and Huginn-style): config, layers, checkpoint IO, exit criteria.
 
-__all__ = ["LoopConfig", "ExitPolicy", "ExitTracker", "LoopedLM", "LoopOutput", "build_model", "load_pretrained",
-           "load_tokenizer", "save_pretrained", "resolve_dtype", "PRESETS", "preset_config", "tiny_model"]
+Attributes load lazily so that pure-Python parts (config, policy) import without torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "LoopConfig": "config", "ExitPolicy": "policy", "ExitTracker": "policy", "LoopedLM": "model",
+    "LoopOutput": "model", "build_model": "io", "load_pretrained": "io", "load_tokenizer": "io",
+    "save_pretrained": "io", "resolve_dtype": "io", "PRESETS": "presets", "preset_config": "presets",
+    "tiny_model": "presets",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'looplm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
