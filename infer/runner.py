@@ -13,6 +13,7 @@ device still runs this one (the lookahead pipeline).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,7 @@ class ModelRunner:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
         self.graphs = GraphCache(self) if cuda_graphs else None
+        self._last_key, self._last, self._last_steps = None, None, None  # batch reuse (see run)
 
     def _t(self, xs) -> torch.Tensor:
         t = torch.tensor(xs, dtype=torch.long)
@@ -119,11 +121,12 @@ class ModelRunner:
         return TokenBatch(ids=t["ids"], positions=t["pos"], rows=t["rows"], steps=t["steps"], ctx_rows=ctx_rows,
                           ctx_len=t["ctx_len"])
 
-    def body(self, stage: str, t: dict[str, torch.Tensor], r_max: int = 0) -> torch.Tensor | None:
+    def body(self, stage: str, t: dict[str, torch.Tensor], r_max: int = 0, batch: TokenBatch | None = None
+             ) -> torch.Tensor | None:
         """One decode stage over a padded batch, reading and writing only static buffers (so it
         can be captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
         m, lay, slots = self.model, self.layout, t["slots"]
-        batch = self.batch_from(t)
+        batch = batch if batch is not None else self.batch_from(t)
         if stage == "prelude":
             state, inj = stages.prelude(m, lay, batch)
             self.state.index_copy_(0, slots, state)
@@ -145,7 +148,7 @@ class ModelRunner:
             return stages.coda(m, lay, batch, self.state[slots])
         if stage == "fused":  # CB: prelude + r_max core steps + coda, no scheduling in between
             state, inj = stages.prelude(m, lay, batch)
-            rope = m.rope(batch.positions)
+            rope = batch.rope(m)
             att = stages.KVAttention(lay, batch)
             for s in range(1, r_max + 1):
                 att.step = s
@@ -161,7 +164,19 @@ class ModelRunner:
         with torch.inference_mode():
             if graphed:
                 return self.graphs.run(stage, meta, r_max), meta.n
-            return self.body(stage, self.tensors(meta), r_max), meta.n
+            # Consecutive stages over the same tokens (prelude, core steps, coda of one cohort) reuse
+            # the batch tensors, its RoPE and its mask; only the loop steps change.
+            key = (tuple(s.seq_id for s in seqs), tuple(meta.pos), meta.L)
+            if key == self._last_key:
+                t, batch = self._last
+                if meta.steps != self._last_steps:
+                    t = {**t, "steps": self._t(meta.steps)}
+                    batch = dataclasses.replace(batch, steps=t["steps"])
+            else:
+                t = self.tensors(meta)
+                batch = self.batch_from(t)
+            self._last_key, self._last, self._last_steps = key, (t, batch), meta.steps
+            return self.body(stage, t, r_max, batch), meta.n
 
     # ------------------------------------------------------------------ stages
     @torch.inference_mode()

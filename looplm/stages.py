@@ -10,7 +10,7 @@ depths. Attention writes each token's K/V into the KV layout first, then reads:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,30 @@ class TokenBatch:
     seq_ids: torch.Tensor | None = None  # prefill: [N] which prompt each token belongs to
     ctx_rows: torch.Tensor | None = None  # decode: [N, L] rows of positions 0..pos (padded)
     ctx_len: torch.Tensor | None = None  # decode: [N] valid entries of ctx_rows
+    # memoised per batch (they depend on positions / context only, not on the loop step), so a
+    # runner that reuses a batch across consecutive core steps computes them once
+    _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return int(self.ids.shape[0])
+
+    def rope(self, model: LoopedLM) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None:
+            self._rope = model.rope(self.positions)
+        return self._rope
+
+    def mask(self) -> torch.Tensor:
+        """prefill: [N, N] block-causal over the packed prompts; decode: [N, L] valid context."""
+        if self._mask is None:
+            if self.seq_ids is not None:
+                s, p = self.seq_ids, self.positions
+                self._mask = (s[:, None] == s[None, :]) & (p[None, :] <= p[:, None])
+            else:
+                L = self.ctx_rows.shape[1]
+                self._mask = torch.arange(L, device=self.ctx_len.device)[None, :] < self.ctx_len[:, None]
+        return self._mask
 
 
 class KVAttention:
@@ -43,12 +63,7 @@ class KVAttention:
 
     def __init__(self, layout: KVLayout, batch: TokenBatch, step: int | None = None):
         self.layout, self.batch, self.step = layout, batch, step
-        if batch.seq_ids is not None:
-            s, p = batch.seq_ids, batch.positions
-            self.mask = (s[:, None] == s[None, :]) & (p[None, :] <= p[:, None])  # [N, N] block-causal
-        else:
-            L = batch.ctx_rows.shape[1]
-            self.mask = torch.arange(L, device=batch.ctx_len.device)[None, :] < batch.ctx_len[:, None]  # [N, L]
+        self.mask = batch.mask()
 
     def steps(self) -> torch.Tensor:
         return self.batch.steps if self.step is None else torch.full_like(self.batch.steps, self.step)
@@ -78,7 +93,7 @@ def prefill(model: LoopedLM, layout: KVLayout, batch: TokenBatch, last_index: to
             num_steps: int | None = None) -> torch.Tensor:
     """Whole prompts at full depth, depth-major; writes every layer's KV for every prompt position.
     Returns the logits of the positions in `last_index` [B] -> [B, V]."""
-    rope = model.rope(batch.positions)
+    rope = batch.rope(model)
     att = KVAttention(layout, batch)
     state, inj = model.prelude(batch.ids, rope, att)
     for s in range(1, (num_steps or model.cfg.r_max) + 1):
@@ -91,7 +106,7 @@ def prefill(model: LoopedLM, layout: KVLayout, batch: TokenBatch, last_index: to
 
 def prelude(model: LoopedLM, layout: KVLayout, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode tokens -> (initial loop state, injection input)."""
-    return model.prelude(batch.ids, model.rope(batch.positions), KVAttention(layout, batch))
+    return model.prelude(batch.ids, batch.rope(model), KVAttention(layout, batch))
 
 
 def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch.Tensor, inj: torch.Tensor | None,
@@ -99,7 +114,7 @@ def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One loop step for items at mixed depths (`batch.steps`). Returns the new states, one exit
     score per item (see looplm/exits.py) and the criterion's per-item memory."""
-    rope = model.rope(batch.positions)
+    rope = batch.rope(model)
     att = KVAttention(layout, batch)
     new = model.core_step(state, inj, rope, att)
     gate = model.gate_logits(new) if criterion in ("ouro_gate", "learned") else None
@@ -110,5 +125,5 @@ def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch
 
 def coda(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch.Tensor) -> torch.Tensor:
     """Exited tokens -> logits [N, V]."""
-    rope = model.rope(batch.positions)
+    rope = batch.rope(model)
     return model.head(model.coda(state, rope, KVAttention(layout, batch)))
