@@ -209,3 +209,22 @@ def test_teacher_forced_logprobs_equal_reference(arch, layout):
         ref = reference_generate(m, ctx, len(cont), pol, kv_layout=layout, forced_tokens=cont)
         assert s.output_ids == cont and s.exit_depths == ref.exit_depths
         assert max(abs(a - b) for a, b in zip(s.logprobs, ref.logprobs)) < 1e-10
+
+
+def test_text_prompts_stop_strings_and_progress(tmp_path):
+    from transformers import AutoTokenizer
+
+    from train.tokenizer import save_tokenizer, train_bpe
+    text = "the cat sat on the mat and the dog ate the bone while the bird sang a song. " * 5
+    save_tokenizer(train_bpe([text] * 10, vocab_size=300), tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    m = tiny_model("ouro-tiny", vocab_size=len(tok), std=0.3, seed=5)
+    llm = LLM(m, tokenizer=tok, exit_threshold=THRESHOLD)
+    free = llm.generate("the cat", SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert free.text == tok.decode(free.token_ids, skip_special_tokens=True) and len(free.text) > 4
+    stop = free.text[2:4]
+    o = llm.generate(["the cat"], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))[0]
+    assert o.finish_reason == "stop" and stop not in o.text and free.text.startswith(o.text)
+    assert o.text == free.text[: free.text.find(stop)]
+    outs = llm.generate(["the dog"] * 40, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=True)
+    assert len(outs) == 40 and all(o.prompt == "the dog" for o in outs)
