@@ -145,19 +145,15 @@ class Scheduler:
             s.step += 1
             if s.tracker.after_step(s.step, score):
                 exited.append(s)
-        if exited:
-            ids = {id(s) for s in exited}
-            self.core_q = [s for s in self.core_q if id(s) not in ids]
-            for s in exited:
-                s.stage = Stage.CODA
-            self.coda_q.extend(exited)
-        return exited
+        return self._to_coda(exited)
 
     def take_exited(self, seqs: list[Sequence]) -> list[Sequence]:
         """Pipelined core (lookahead): items whose exit after their current step is already known
         (decided from the previous step's signal, or r_max) leave for the coda queue."""
-        exited = [s for s in seqs if s.step >= s.policy.r_max or
-                  (s.tracker.exit_at is not None and s.step >= s.tracker.exit_at)]
+        return self._to_coda([s for s in seqs if s.step >= s.policy.r_max or
+                              (s.tracker.exit_at is not None and s.step >= s.tracker.exit_at)])
+
+    def _to_coda(self, exited: list[Sequence]) -> list[Sequence]:
         if exited:
             ids = {id(s) for s in exited}
             self.core_q = [s for s in self.core_q if id(s) not in ids]
