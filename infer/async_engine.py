@@ -114,9 +114,9 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Abort whatever is still in flight and stop the engine thread (after uvicorn drained)."""
         self.closing = True
-        for rid in list(self.streams):
+        for rid, stream in list(self.streams.items()):
             self.abort(rid)
-            self._deliver([(rid, Delta([], [], error="the server is shutting down"))])
+            stream.queue.put_nowait(Delta([], [], error="the server is shutting down"))
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -195,8 +195,9 @@ class AsyncEngine:
             try:
                 n = self._add(rid, prompt, messages, params, given, arrival)
             except Exception as e:  # noqa: BLE001 - reported to the caller, the thread keeps going
-                err = e if isinstance(e, APIError) else APIError(500, f"internal error while adding the request: "
-                                                                 f"{type(e).__name__}: {e}", type_="internal_server_error")
+                err = e if isinstance(e, APIError) else APIError(
+                    500, f"internal error while adding the request: {type(e).__name__}: {e}",
+                    type_="internal_server_error")
                 if not isinstance(e, APIError):
                     log.error("add failed: %s", traceback.format_exc())
                 self._resolve(fut, exc=err)
@@ -245,7 +246,8 @@ class AsyncEngine:
             self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival)
         except ValueError as e:
             msg = str(e)
-            param = msg.split(":")[0].rsplit(" ", 1)[-1] if msg.startswith("invalid sampling parameter") else field_
+            param = (msg.split(":")[0].rsplit(" ", 1)[-1] if msg.startswith("invalid sampling parameter") else
+                     "max_tokens" if "KV tokens" in msg else field_)
             raise APIError(400, msg, param) from None
         holdback = max((len(s) for s in sp.stop), default=1) - 1
         self._pub[rid] = _Pub(holdback=holdback)
@@ -324,7 +326,8 @@ class AsyncEngine:
         e, now = self.engine, time.perf_counter()
         q = e.queue_lengths()
         gen = self.counters["generation_tokens"]
-        self._rate.append((now, gen))
+        if not self._rate or now - self._rate[-1][0] >= 0.05:  # a few hundred points per window at most
+            self._rate.append((now, gen))
         while len(self._rate) > 2 and now - self._rate[1][0] > self.rate_window_s:
             self._rate.popleft()
         t0, g0 = self._rate[0]

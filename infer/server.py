@@ -23,9 +23,11 @@ from .protocol import APIError, GenRequest, bad, parse_chat, parse_completion, p
 
 
 def _usage(prompt_tokens: int, depths: list[int]) -> dict:
+    """OpenAI usage, plus the mean exit depth of the decoded tokens (the first token comes from the
+    prefill, at full depth, and is left out as in the engine's mean)."""
     n = len(depths)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-            "mean_exit_depth": sum(depths) / n if n else None}
+            "mean_exit_depth": sum(depths[1:]) / (n - 1) if n > 1 else None}
 
 
 def _logprobs(kind: str, d: Delta, offset: int) -> dict | None:
@@ -147,7 +149,8 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(500, d.error, type_="internal_server_error")
         if kind == "chat":
             head["object"] = "chat.completion"
-        return {**head, "choices": [_choice(kind, d, stream=False)], "usage": _usage(stream.prompt_tokens, d.exit_depths)}
+        return {**head, "choices": [_choice(kind, d, stream=False)],
+                "usage": _usage(stream.prompt_tokens, d.exit_depths)}
 
     async def _collect(req: GenRequest, stream: RequestStream) -> Delta:
         acc = Delta([], [], "", [] if req.logprobs else None, [] if req.logprobs else None)
@@ -198,6 +201,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         auth(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm-cdb", "max_model_len": cfg.max_position,
+                                            "vocab_size": cfg.vocab_size,
                                             "r_max": cfg.r_max, "arch": cfg.arch}]}
 
     @app.get("/health")
@@ -225,7 +229,7 @@ def _rss_bytes() -> int:
 def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
     """Prometheus text exposition of the engine snapshot (taken after every stage)."""
     s, c = aeng.snapshot, aeng.snapshot["counters"]
-    lab = f'model_name="{model_name}"'
+    lab = 'model_name="{}"'.format(model_name.replace("\\", "\\\\").replace('"', '\\"'))
     rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
         ("cdb_num_requests_running", "gauge", "Requests holding a slot (prelude, core or coda queue).",
          [("", s["running"])]),
