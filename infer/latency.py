@@ -2,8 +2,8 @@
 squares per stage from the engine's own step trace, and a sweep that measures core-step latency
 over batch sizes x context lengths.
 
-    python -m infer.latency sweep --model ouro-tiny --batch-sizes 1 4 16 64 --contexts 64 256 --out results/latency
-    python -m infer.latency fit results/bench/trace_alpaca.json
+    python -m infer.latency sweep --model ouro-tiny --batch-sizes 1 4 16 64 --contexts 64 256 --out outputs/latency
+    python -m infer.latency fit outputs/bench/trace_ouro-tiny.json
 
 N_b is the batch (by default the padded one: the runner computes every padded row), N_c the
 context tokens the batch reads (prefill: its prompt tokens). delta is the fixed cost (weights
@@ -98,9 +98,11 @@ def fits_from_json(d: dict) -> dict[str, StageFit]:
 
 # ---------------------------------------------------------------------------------- sweep
 def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, stages=("core",),
-          kv_layout: str = "last_exited", block_size: int = 16, pad_pow2: bool = True, progress=None) -> list[dict]:
+          kv_layout: str = "last_exited", block_size: int = 16, pad_pow2: bool = True, progress=None,
+          max_tokens: int | None = None, cuda_graphs: bool = False) -> list[dict]:
     """Median latency of one decode stage call over batch sizes x context lengths (tokens each
-    item attends), measured on the ModelRunner directly with synthetic sequences."""
+    item attends), measured on the ModelRunner directly with synthetic sequences. Points with
+    batch x context > `max_tokens` are skipped (KV memory)."""
     import torch
 
     from looplm.policy import ExitPolicy
@@ -114,13 +116,16 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
     bad = [c for c in contexts if not 1 <= c <= cfg.max_position]
     if bad:
         raise ValueError(f"contexts {bad} outside [1, max_position={cfg.max_position}]")
+    points = [(c, b, s) for c, b, s in itertools.product(contexts, batch_sizes, stages)
+              if max_tokens is None or b * c <= max_tokens]
     maxb = max(batch_sizes)
-    nblocks = maxb * (-(-max(contexts) // block_size)) + 1
+    nblocks = max(b * (-(-c // block_size)) for c, b, _ in points) + 1
     bm = BlockManager(nblocks, block_size, maxb)
     policy = ExitPolicy.from_config(cfg)
-    runner = ModelRunner(model, kv_layout, bm, policy.criterion, pad_pow2, maxb)
+    kw = {"cuda_graphs": True} if cuda_graphs else {}
+    runner = ModelRunner(model, kv_layout, bm, policy.criterion, pad_pow2, maxb, **kw)
     rows = []
-    for ctx, b, stage in itertools.product(contexts, batch_sizes, stages):
+    for ctx, b, stage in points:
         seqs = []
         for i in range(b):
             s = Sequence(seq_id=i, request_id=str(i), prompt_ids=[FIRST] * max(1, ctx - 1),
@@ -207,7 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's default)")
-    s.add_argument("--out", type=Path, default=Path("results/latency"))
+    s.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"],
+                   help="shared needs 1/r_max of the KV memory and reads the same bytes per step")
+    s.add_argument("--max-tokens", type=int, default=None, help="skip points with batch x context above this")
+    s.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (the engine's GPU path)")
+    s.add_argument("--out", type=Path, default=Path("outputs/latency"))
     a = p.parse_args(argv)
     if a.cmd == "fit":
         data = json.loads(a.trace.read_text())
@@ -223,12 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from .llm import load_model
+    from .bench import load_any
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, _ = load_model(a.model, a.dtype, a.device)
-    bar = tqdm(total=len(a.batch_sizes) * len(a.contexts) * len(a.stages), desc="sweep", unit="point")
-    rows = sweep(model, a.batch_sizes, a.contexts, a.repeats, tuple(a.stages), progress=bar)
+    model, _ = load_any(a.model, a.dtype, a.device)
+    npts = sum(a.max_tokens is None or b * c <= a.max_tokens for b in a.batch_sizes for c in a.contexts) * len(a.stages)
+    bar = tqdm(total=npts, desc="sweep", unit="point")
+    rows = sweep(model, a.batch_sizes, a.contexts, a.repeats, tuple(a.stages), kv_layout=a.kv_layout, progress=bar,
+                 max_tokens=a.max_tokens, cuda_graphs=a.cuda_graphs)
     bar.close()
     fits = fit_trace(rows)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -240,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'stage':6s} {'ctx':>5s} " + " ".join(f"{b:>7d}" for b in a.batch_sizes) + "   (ms per call)")
     for stage in a.stages:
         for c in a.contexts:
-            ms = [1e3 * r["seconds"] for r in rows if r["stage"] == stage and r["context_per_item"] == c]
-            print(f"{stage:6s} {c:5d} " + " ".join(f"{m:7.3f}" for m in ms))
+            ms = {r["batch"]: 1e3 * r["seconds"] for r in rows if r["stage"] == stage and r["context_per_item"] == c}
+            print(f"{stage:6s} {c:5d} " + " ".join(f"{ms[b]:7.3f}" if b in ms else f"{'-':>7s}" for b in a.batch_sizes))
     for c in a.contexts:
         print(f"-- fit, B* at context {c}")
         print_fits(fits, c)

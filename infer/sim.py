@@ -8,7 +8,7 @@ Two cost models: `FittedCost` (the latency model of infer/latency.py fitted on t
 engine trace) and `RooflineCost` (per stage max(bytes / bandwidth, FLOPs / peak) + a launch
 overhead, for a GPU such as the H100, on the real Ouro-1.4B / Huginn-3.5B shapes).
 
-    python -m infer.sim --model ouro-1.4b --workloads alpaca sharegpt arxiv --ks 1 4 16 --out results/sim
+    python -m infer.sim --model ouro-1.4b --workloads alpaca sharegpt arxiv --ks 1 4 16 --out outputs/sim
 
 The output is the benchmark's JSON (infer/bench.py), with virtual seconds.
 """
@@ -26,10 +26,11 @@ import torch
 from looplm.config import LoopConfig
 
 from . import bounds as B
-from .bench import bounds_block, format_table, modes_for, plot, raw_from, summarize
+from .bench import bounds_block, modes_for, raw_from, summarize
 from .latency import StageFit
+from .report import format_table, plot
 from .runner import next_pow2
-from .workloads import WORKLOADS, Request, describe, make_requests, mean_decode_context
+from .workloads import WORKLOADS, Request, describe, make_requests
 
 # The paper's two models at their real shapes (bf16 on one 80 GB H100). Vocabulary as stored.
 GPU_MODELS = {
@@ -293,24 +294,82 @@ def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = "last_exited", memory: floa
     return int((memory * util - weights) // B.kv_bytes_per_token(cfg, slots, dtype_bytes))
 
 
+def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
+    """Re-run a bench's workloads (python -m infer.bench --save-trace) on the simulator with the
+    latency model fitted on that bench's own step traces, pooled over every mode of a workload,
+    and the recorded exit depths. Returns one block per workload with `measured_tokens_per_s`."""
+    from .bench import load_any
+    from .latency import fit_trace
+
+    data = json.loads(Path(trace_file).read_text())
+    src = model or data.get("model")
+    if src in GPU_MODELS:
+        cfg = GPU_MODELS[src]
+    else:
+        cfg = load_any(src)[0].cfg
+    blocks = []
+    for w, run in data["runs"].items():
+        wl = run["workload"]
+        reqs = make_requests(w, wl["num_requests"], seed=run["seed"], scale=wl["scale_arg"],
+                             max_position=cfg.max_position, vocab_size=cfg.vocab_size)
+        trace = [r for k, t in data["trace"].items() if k.startswith(w + "/") for r in t]
+        per_step = sum(run["untraced_seconds_per_step"].values()) / len(run["untraced_seconds_per_step"])
+        cost = FittedCost(fit_trace(trace), per_step)
+        modes = [{"name": n, **m} for n, m in run["modes"].items()]
+        st = run["settings"]
+        blk = simulate(cfg, reqs, cost, data["exit_depths"][w], modes, workload=w, scale=wl["scale_arg"],
+                       max_batch_size=st.get("max_batch_size", 32), kv_layout=st.get("kv_layout", "last_exited"),
+                       kv_cache_tokens=st.get("kv_cache_tokens"), lookahead=st.get("lookahead", False))
+        blk["measured_tokens_per_s"] = run["measured_tokens_per_s"]
+        for r in blk["results"]:
+            m = run["measured_tokens_per_s"].get(r["mode"])
+            r["measured_tokens_per_s"] = m
+            r["sim_error"] = r["output_tokens_per_s"] / m - 1 if m else None
+        blocks.append(blk)
+    return blocks
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="ouro-1.4b", choices=sorted(GPU_MODELS))
+    p.add_argument("--model", default="ouro-1.4b", help=f"{sorted(GPU_MODELS)} (roofline), or with --fitted the "
+                   "benchmarked model (default: the one in the trace file)")
+    p.add_argument("--fitted", type=Path, default=None, help="replay a bench trace file (infer.bench --save-trace) "
+                   "with the latency model fitted on it, and compare with the measured throughput")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
+    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM; H200: 4.8e12)")
+    p.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s")
     p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call")
     p.add_argument("--lookahead", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/sim"))
+    p.add_argument("--out", type=Path, default=Path("outputs/sim"))
     a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.fitted is not None:
+        blocks = replay_fitted(a.fitted, None if a.model == "ouro-1.4b" else a.model)
+        for b in blocks:
+            print(format_table(b))
+            print(f"{'mode':16s} {'measured':>10s} {'simulated':>10s} {'error':>7s}   (output tokens/s; fitted cost model)")
+            for r in b["results"]:
+                print(f"{r['mode']:16s} {r['measured_tokens_per_s']:10.1f} {r['output_tokens_per_s']:10.1f} "
+                      f"{100 * r['sim_error']:+6.1f}%")
+        path = a.out / f"replay_{a.fitted.stem}.json"
+        path.write_text(json.dumps({"trace_file": str(a.fitted), "cost_model": "fitted (infer/latency.py)",
+                                    "workloads": [{k: v for k, v in b.items() if k != "traces"} for b in blocks]},
+                                   indent=1, default=float))
+        print(f"json: {path}")
+        return
+    if a.model not in GPU_MODELS:
+        p.error(f"--model must be one of {sorted(GPU_MODELS)} without --fitted")
     cfg = GPU_MODELS[a.model]
     mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
     probs = binomial_depths(cfg.r_max, mean)
-    cost = RooflineCost(cfg, overhead=a.overhead_us * 1e-6, kv_layout=a.kv_layout)
+    cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,
+                        kv_layout=a.kv_layout)
     kvt = h100_kv_tokens(cfg, a.kv_layout)
     blocks = []
     for w in a.workloads:
@@ -321,14 +380,16 @@ def main(argv: list[str] | None = None) -> None:
                        kv_layout=a.kv_layout, kv_cache_tokens=kvt, lookahead=a.lookahead)
         print(format_table(blk))
         blocks.append(blk)
-    a.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": a.model, "config": cfg.name, "cost_model": "H100 roofline", "bandwidth": cost.bandwidth,
+    meta = {"model": a.model, "config": cfg.name, "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": cost.overhead, "kv_cache_tokens": kvt,
-            "exit_depth_distribution": probs, "mean_exit_depth_assumed": mean, "simulated": True}
-    path = a.out / f"sim_{a.model}.json"
+            "max_batch_size": a.max_batch_size, "num_requests": a.num_requests,
+            "exit_depth_distribution": probs, "mean_exit_depth_assumed": mean, "simulated": True,
+            "command": "python -m infer.sim " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
+    tag = f"{a.model}_d{mean:g}"
+    path = a.out / f"sim_{tag}.json"
     path.write_text(json.dumps({**meta, "workloads": [{k: v for k, v in b.items() if k != "traces"} for b in blocks]},
                                indent=1, default=float))
-    png = plot(blocks, a.out / f"sim_{a.model}.png", f"{a.model} on an H100 (simulated), mean depth {mean}")
+    png = plot(blocks, a.out / f"sim_{tag}.png", f"{a.model}, simulated GPU roofline, mean exit depth {mean:g}")
     print(f"json: {path}\nplot: {png}")
 
 

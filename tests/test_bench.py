@@ -1,0 +1,224 @@
+"""Measurement: bounds on hand-computed cases, the latency fit on synthetic timings, workloads,
+the bench JSON, the simulator against a measured CPU run, and `make demo` in its tiny setting."""
+import json
+
+import numpy as np
+import pytest
+
+from infer import bench, bounds, latency, sim, workloads
+from looplm.config import LoopConfig
+
+
+def tiny_cfg(arch="ouro", **kw):
+    # d=4, one head of 4, ffn 8, vocab 10: small enough to count by hand
+    base = dict(arch=arch, vocab_size=10, hidden_size=4, intermediate_size=8, num_heads=1, num_kv_heads=1, head_dim=4,
+                n_prelude=0, n_core=1, n_coda=0, r_max=4)
+    return LoopConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------------- bounds
+def test_bounds_hand_computed_ouro():
+    cfg = tiny_cfg()
+    # layer weights: qkv 4*3*4 = 48, o 16, mlp 3*4*8 = 96 -> 160; FLOPs 2*160 + attention 4*1*4*c
+    assert bounds.layer_params(cfg) == 160
+    assert bounds.layer_flops(cfg, 5) == 320 + 80
+    f0, fr = bounds.f0_fr(cfg, 5)
+    assert fr == 400 + 2 * 4  # + Ouro's exit gate (d -> 1)
+    assert f0 == 2 * 4 * 10  # the LM head; the embedding is a lookup
+    assert bounds.s_dec(f0, fr, 4, 2) == pytest.approx((80 + 4 * 408) / (80 + 2 * 408))
+    b = bounds.bound(cfg, 2.0, 0.25, 5)
+    assert b["s_dec"] == pytest.approx(1712 / 896)
+    assert b["s_e2e"] == pytest.approx(1 / (0.25 + 0.75 * 896 / 1712))
+
+
+def test_bounds_hand_computed_huginn():
+    cfg = tiny_cfg("huginn", n_prelude=1, n_coda=2, r_max=8, qk_bias=False, exit_gate=False)
+    f0, fr = bounds.f0_fr(cfg, 0)
+    assert fr == 320 + 2 * 8 * 4  # one core layer + the adapter (2d -> d)
+    assert f0 == 3 * 320 + 2 * 4 * 10  # prelude + 2 coda layers + head
+    assert bounds.s_dec(f0, fr, 8, 8) == 1.0
+
+
+def test_bound_limits():
+    assert bounds.s_dec(0, 1, 4, 2) == 2.0  # F0 = 0: r_max / d
+    assert bounds.s_dec(10, 1, 4, 2) < 2.0
+    assert bounds.s_e2e(0.0, 1.7) == pytest.approx(1.7)
+    assert bounds.s_e2e(1.0, 1.7) == 1.0
+    assert bounds.s_e2e(0.5, 2.0) == pytest.approx(1 / (0.5 + 0.25))
+    with pytest.raises(ValueError):
+        bounds.s_e2e(1.5, 2.0)
+
+
+# ---------------------------------------------------------------------------------- latency model
+def test_latency_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    delta, gamma, alpha = 2e-3, 3e-5, 4e-8
+    nb = rng.integers(1, 65, 300)
+    nc = nb * rng.integers(16, 2048, 300)
+    t = (delta + gamma * nb + alpha * nc) * (1 + 0.01 * rng.standard_normal(300))
+    trace = [{"stage": "core", "batch": int(b), "padded": int(b), "context": int(c), "seconds": float(s)}
+             for b, c, s in zip(nb, nc, t)]
+    f = latency.fit_trace(trace)["core"]
+    assert f.delta == pytest.approx(delta, rel=0.05)
+    assert f.gamma == pytest.approx(gamma, rel=0.1)
+    assert f.alpha == pytest.approx(alpha, rel=0.05)
+    assert f.r2 > 0.98
+    assert f.saturation_batch(512) == pytest.approx(f.delta / (f.gamma + 512 * f.alpha))
+
+
+def test_latency_fit_is_non_negative():
+    # a flat stage with noise: no negative slope, the fit keeps the mean
+    rng = np.random.default_rng(1)
+    nb = rng.integers(1, 33, 50)
+    t = 1e-3 + 1e-5 * rng.standard_normal(50)
+    d, g, a, r2 = latency.fit_linear(nb, nb * 10, t)
+    assert g >= 0 and a >= 0 and d == pytest.approx(1e-3, rel=0.02)
+
+
+def test_latency_sweep_runs():
+    from looplm import tiny_model
+    rows = latency.sweep(tiny_model("ouro-tiny"), [1, 4], [8, 32], repeats=1)
+    assert len(rows) == 4 and all(r["seconds"] > 0 for r in rows)
+    assert {r["context"] for r in rows} == {8, 32, 4 * 8, 4 * 32}
+
+
+# ---------------------------------------------------------------------------------- workloads
+def test_workloads_deterministic_scaled_clamped():
+    a = workloads.make_requests("sharegpt", 20, seed=3, scale=0.1, max_position=64, vocab_size=50)
+    b = workloads.make_requests("sharegpt", 20, seed=3, scale=0.1, max_position=64, vocab_size=50)
+    c = workloads.make_requests("sharegpt", 20, seed=4, scale=0.1, max_position=64, vocab_size=50)
+    assert a == b and a != c
+    for r in a:
+        assert 1 <= r.prompt_len and 1 <= r.output_len and r.prompt_len + r.output_len <= 64
+        assert all(workloads.FIRST_ID <= t < 50 for t in r.prompt_ids)
+        if (r.trace_prompt_len * 0.1 + r.trace_output_len * 0.1) <= 60:
+            assert r.prompt_len == max(1, round(r.trace_prompt_len * 0.1))
+    assert workloads.scaled_lengths(4000, 100, 1.0, 512) == (499, 12, True)
+    assert 0 < workloads.fit_scale("arxiv", 512) < 0.2 and workloads.fit_scale("alpaca", 4096) == 1.0
+    with pytest.raises(ValueError):
+        workloads.make_requests("nope", 2)
+
+
+def test_workload_traces_match_published_means():
+    for name, (p, o) in {"alpaca": (17.96, 58.55), "sharegpt": (161.31, 337.99), "arxiv": (2588.08, 291.43)}.items():
+        rows = workloads.load_trace(name)
+        assert np.mean([r[0] for r in rows]) == pytest.approx(p, rel=0.03)
+        assert np.mean([r[1] for r in rows]) == pytest.approx(o, rel=0.03)
+
+
+class ByteTokenizer:
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+
+def test_workload_prompts_are_real_text_with_a_tokenizer():
+    reqs = workloads.make_requests("alpaca", 8, seed=0, max_position=256, tokenizer=ByteTokenizer())
+    for r in reqs:
+        clamped = workloads.scaled_lengths(r.trace_prompt_len, r.trace_output_len, 1.0, 256)[2]
+        assert r.prompt_len >= 1 and (clamped or r.prompt_len == r.trace_prompt_len)
+        text = bytes(r.prompt_ids).decode("utf-8", errors="replace")
+        assert sum(ch.isalpha() or ch.isspace() for ch in text) > 0.7 * len(text)
+
+
+def test_mean_decode_context():
+    r = workloads.Request([1] * 10, 4, 10, 4)  # decode tokens 2..4 attend 11, 12, 13 positions
+    assert workloads.mean_decode_context([r]) == pytest.approx(12)
+
+
+# ---------------------------------------------------------------------------------- bench
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench.main(["--model", "ouro-tiny", "--workloads", "alpaca", "--num-requests", "3", "--scale", "0.2",
+                "--ks", "2", "--repeats", "1", "--out", str(out), "--save-trace"])
+    return out, json.loads((out / "bench_ouro-tiny.json").read_text())
+
+
+def test_bench_json_has_every_field(bench_json):
+    out, data = bench_json
+    assert (out / "bench_ouro-tiny.png").stat().st_size > 1000
+    blk = data["workloads"][0]
+    modes = [r["mode"] for r in blk["results"]]
+    assert modes == ["cb", "cdb_norefill", "cdb_refill_k2", "cdb_full_depth"]
+    for r in blk["results"]:
+        for k in bench.RESULT_FIELDS + ("seconds", "num_requests", "output_tokens"):
+            assert k in r and r[k] is not None, k
+        assert r["output_tokens"] == blk["workload"]["output_tokens"]  # same lengths for every policy
+    cb = blk["results"][0]
+    assert cb["speedup_vs_cb"] == 1.0 and cb["s_e2e"] == 1.0 and cb["mean_exit_depth"] == 4
+    assert 0 <= cb["alpha"] < 1
+    cdb = blk["results"][2]
+    assert cdb["s_e2e"] == pytest.approx(bounds.s_e2e(cdb["alpha"], cdb["s_dec"]))
+    assert cdb["fraction_of_bound"] == pytest.approx(cdb["speedup_vs_cb"] / cdb["s_e2e"])
+    assert "core" in blk["latency_fit"] and "b_star" in blk["latency_fit"]["core"]
+    assert "full_depth_vs_cb" in blk and blk["workload"]["scale"] == 0.2
+    # the saved trace feeds the latency CLI and the simulator's replay with the fitted cost model
+    latency.main(["fit", str(out / "trace_ouro-tiny.json")])
+    blocks = sim.replay_fitted(out / "trace_ouro-tiny.json")
+    assert [r["mode"] for r in blocks[0]["results"]] == modes
+    assert all(r["measured_tokens_per_s"] > 0 and r["output_tokens"] == cb["output_tokens"] for r in blocks[0]["results"])
+
+
+def test_throughput_api():
+    r = bench.throughput("ouro-tiny", policy="cdb", refill=True, min_coda_batch=1, workload="alpaca", num_requests=2,
+                         scale=0.1, max_batch_size=4)
+    for k in ("output_tokens_per_s", "requests_per_s", "mean_exit_depth", "seconds", "num_requests", "output_tokens"):
+        assert k in r
+    assert r["num_requests"] == 2 and r["output_tokens"] > 0 and 1 <= r["mean_exit_depth"] <= 4
+
+
+# ---------------------------------------------------------------------------------- simulator
+def test_sim_with_fitted_cost_reproduces_a_measured_run():
+    """The real engine on a cost model equal to the fitted one replays the measured schedule
+    (same steps, batches and exit depths) and its throughput within 10%."""
+    from infer.llm import load_model
+    m, _ = load_model("huginn-tiny")
+    reqs = workloads.make_requests("alpaca", 6, seed=1, scale=0.3, max_position=m.cfg.max_position, vocab_size=256)
+    base = dict(max_batch_size=4, exit_threshold=0.5)
+    for mode in bench.modes_for([2], full_depth=False)[1:]:  # cdb no-refill and refill
+        bench.run_mode(m, None, reqs[:2], mode, base, keep_trace=False)
+        raw = bench.run_mode(m, None, reqs, mode, base)
+        fits = latency.fit_trace(raw["trace"])
+        per_step = (raw["seconds"] - raw["traced_seconds"]) / raw["steps"]
+        s = sim.simulate_mode(m.cfg, reqs, mode, sim.FittedCost(fits, per_step), raw["exit_depths"], max_batch_size=4,
+                              kv_cache_tokens=4 * m.cfg.max_position)
+        assert s["steps"] == raw["steps"]
+        assert {k: v["calls"] for k, v in s["stages"].items()} == {k: v["calls"] for k, v in raw["stages"].items()}
+        assert s["exit_depths"] == raw["exit_depths"]
+        tps, sim_tps = raw["output_tokens"] / raw["seconds"], s["output_tokens"] / s["seconds"]
+        assert sim_tps == pytest.approx(tps, rel=0.10)
+
+
+def test_sim_depths_and_lookahead():
+    cfg = sim.GPU_MODELS["ouro-1.4b"]
+    probs = sim.binomial_depths(4, 2.5)
+    assert sum(probs.values()) == pytest.approx(1) and sum(d * p for d, p in probs.items()) == pytest.approx(2.5)
+    reqs = workloads.make_requests("alpaca", 6, seed=0, scale=0.5, max_position=cfg.max_position, vocab_size=100)
+    depths = sim.depths_from_distribution(probs, reqs, seed=0)
+    cost = sim.RooflineCost(cfg)
+    mode = {"name": "cdb_refill_k1", "policy": "cdb", "refill": True, "min_coda_batch": 1}
+    r = sim.simulate_mode(cfg, reqs, mode, cost, depths, max_batch_size=8, kv_cache_tokens=8 * 4096)
+    assert r["exit_depths"] == [[4] + d[1:] for d in depths]  # every token left at its drawn depth
+    la = sim.simulate_mode(cfg, reqs, mode, cost, depths, max_batch_size=8, kv_cache_tokens=8 * 4096, lookahead=True)
+    assert la["exit_depths"] == [[4] + [max(2, x) for x in d[1:]] for d in depths]
+
+
+def test_sim_h100_roofline_orders_the_modes():
+    cfg = sim.GPU_MODELS["ouro-1.4b"]
+    reqs = workloads.make_requests("alpaca", 24, seed=0, max_position=cfg.max_position, vocab_size=100)
+    depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
+    blk = sim.simulate(cfg, reqs, sim.RooflineCost(cfg), depths, bench.modes_for([1]), workload="alpaca",
+                       max_batch_size=16, kv_cache_tokens=sim.h100_kv_tokens(cfg))
+    by = {r["mode"]: r for r in blk["results"]}
+    assert by["cdb_refill_k1"]["speedup_vs_cb"] > 1.1
+    assert by["cdb_refill_k1"]["fraction_of_bound"] <= 1.02
+    assert 0.9 < blk["full_depth_vs_cb"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------- demo
+def test_make_demo_tiny(tmp_path, capsys):
+    from scripts import demo
+    assert demo.main(["--tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "cdb_refill_k1" in out and "bound S_e2e" in out and "plot:" in out and "random-weight preset" in out
+    assert (tmp_path / "bench_ouro-tiny.png").exists()
