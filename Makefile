@@ -25,7 +25,7 @@ demo: install
 	$(BIN)/python -m scripts.demo $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest tests -q $(ARGS)
+	$(BIN)/python -m pytest tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
