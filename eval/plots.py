@@ -1,0 +1,137 @@
+"""Sweep plots from a sweep's results.csv: accuracy vs engine throughput with the Pareto front
+(pareto.png), and accuracy vs exit threshold per r_min / KV layout / lookahead (threshold.png)."""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+TPS = "bench/output_tokens_per_s"
+LAYOUT_MARKERS = {"last_exited": "o", "shared": "s", "full_depth": "D"}
+
+
+def lower_is_better(metric: str) -> bool:
+    return "perplexity" in metric or "bits_per_byte" in metric
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points that no other point beats on both x and y (higher is better), by x."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], -points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+PALETTE = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
+
+
+def _colors(rows: list[dict]) -> dict[str, str]:
+    """One color per swept r_min value."""
+    r_mins = sorted({r.get("r_min") for r in rows if r.get("policy") != "cb"}, key=_num)
+    return {v: PALETTE[i % len(PALETTE)] for i, v in enumerate(r_mins)}
+
+
+def _style(r: dict, colors: dict[str, str]) -> dict:
+    """Color = r_min (black: CB at full depth), marker = KV layout, hollow = lookahead."""
+    c = "black" if r.get("policy") == "cb" else colors.get(r.get("r_min"), "gray")
+    hollow = r.get("lookahead") == "True"
+    return dict(marker=LAYOUT_MARKERS.get(r.get("kv_layout"), "o"), edgecolors=c, facecolors="none" if hollow else c,
+                s=50 if r.get("policy") == "cb" else 28)
+
+
+def _legend(ax, rows: list[dict], colors: dict[str, str]) -> None:
+    for v, c in colors.items():
+        ax.scatter([], [], c=c, label=f"r_min={v}")
+    ax.scatter([], [], c="black", label="CB, full depth")
+    if any(r.get("lookahead") == "True" for r in rows):
+        ax.scatter([], [], facecolors="none", edgecolors="gray", label="lookahead (hollow)")
+    for layout, mk in LAYOUT_MARKERS.items():
+        if any(r.get("kv_layout") == layout for r in rows):
+            ax.scatter([], [], marker=mk, c="gray", label=layout)
+    ax.legend(fontsize=6)
+
+
+def _pareto_panel(ax, rows: list[dict], metric: str, colors: dict[str, str]) -> None:
+    sign = -1.0 if lower_is_better(metric) else 1.0
+    xy = [(_num(r.get(TPS)), _num(r.get(metric))) for r in rows]
+    for r, (x, y) in zip(rows, xy):
+        ax.scatter(x, y, alpha=0.85, **_style(r, colors))
+    ok = [i for i, (x, y) in enumerate(xy) if not (math.isnan(x) or math.isnan(y))]
+    front = [ok[j] for j in pareto_front([(xy[i][0], sign * xy[i][1]) for i in ok])]
+    ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], "k--", lw=1)
+    for i in front:
+        ax.annotate(rows[i]["name"], xy[i], fontsize=5, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("output tokens/s (offline bench)")
+    ax.set_ylabel(metric + (" (lower is better)" if sign < 0 else ""))
+    ax.set_title("dashed: Pareto front", fontsize=8)
+
+
+def plot(csv_path: str | Path, metric: str = "score", out: str | Path | None = None) -> list[Path]:
+    """Write pareto.png and threshold.png next to the CSV (or into `out`); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    csv_path = Path(csv_path)
+    out = Path(out) if out else csv_path.parent
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    cols = list(rows[0])
+    name = csv_path.parent.name
+
+    colors = _colors(rows)
+    pareto_metrics = [m for m in (metric, "looped_ppl/bits_per_byte") if m in cols]
+    fig, axes = plt.subplots(1, len(pareto_metrics), figsize=(6 * len(pareto_metrics), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], pareto_metrics):
+        _pareto_panel(ax, rows, m, colors)
+    _legend(axes[0][0], rows, colors)
+    fig.suptitle(f"{name}: accuracy vs throughput")
+    fig.tight_layout()
+    files = [out / "pareto.png"]
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    heads = [metric, "mean_exit_depth"] + sorted(
+        c for c in cols if c.endswith(("/acc", "/exact_match", "/bits_per_byte")) or "/exact_match/" in c)
+    heads = list(dict.fromkeys(h for h in heads if h in cols))
+    fig, axes = plt.subplots(1, len(heads), figsize=(3.3 * len(heads), 3.3), squeeze=False)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("policy") != "cb":
+            groups.setdefault((r.get("r_min"), r.get("kv_layout"), r.get("lookahead")), []).append(r)
+    thresholds = [_num(r["exit_threshold"]) for r in rows if r.get("policy") != "cb"]
+    thresholds = [t for t in thresholds if t > 0]
+    log_x = bool(thresholds) and max(thresholds) / min(thresholds) > 50
+    for ax, h in zip(axes[0], heads):
+        for (r_min, layout, la), rs in sorted(groups.items()):
+            rs = sorted(rs, key=lambda r: _num(r["exit_threshold"]))
+            ls = {(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}[
+                (layout == "shared", la == "True")]
+            ax.plot([_num(r["exit_threshold"]) for r in rs], [_num(r.get(h)) for r in rs], ls=ls, ms=3,
+                    marker=LAYOUT_MARKERS.get(layout, "o"), color=colors.get(r_min, "gray"),
+                    label=f"r_min={r_min} {layout}" + (" lookahead" if la == "True" else ""))
+        for r in rows:
+            if r.get("policy") == "cb":  # full depth, as a horizontal reference
+                ax.axhline(_num(r.get(h)), color="black", lw=0.8, ls="--" if r["kv_layout"] == "shared" else "-")
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel("exit threshold")
+        ax.set_title(h, fontsize=8)
+    axes[0][0].legend(fontsize=5)
+    fig.suptitle(f"{name}: vs exit threshold (black: full depth)")
+    fig.tight_layout()
+    files.append(out / "threshold.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
