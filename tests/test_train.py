@@ -1,0 +1,192 @@
+"""train/: exit decisions, the training-time KV-layout attention, shared_kv.py (2 ranks, resume), pretrain.py.
+Tiny presets, random token ids, CPU, no network."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kv_layouts import make_layout
+from looplm import ExitPolicy, ExitTracker, load_pretrained, save_pretrained, tiny_model
+from looplm import stages
+from looplm.reference import reference_generate
+from looplm.stages import TokenBatch
+from train.common import exit_depths
+from train.kv_emulation import Sweep, converge, sweep
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHS = ["ouro-tiny", "huginn-tiny"]
+
+
+@pytest.mark.parametrize("criterion", ["learned", "ouro_gate", "kl", "latent_diff"])
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("r_min", [1, 2, 3])
+def test_exit_depths_match_tracker(criterion, lookahead, r_min):
+    rng = torch.Generator().manual_seed(r_min)
+    S, N = 5, 300
+    gate = criterion in ("learned", "ouro_gate")
+    scores = torch.randn(S, N, generator=rng, dtype=torch.float64) * (2.0 if gate else 0.1)
+    if not gate:
+        scores = scores.abs()
+    pol = ExitPolicy(criterion, 0.6 if gate else 0.08, r_min, S, lookahead)
+    got = exit_depths(scores, pol)
+    for i in range(N):
+        tr = ExitTracker(pol)
+        d = next(s for s in range(1, S + 1) if tr.after_step(s, float(scores[s - 1, i])))
+        assert got[i] == d
+
+
+def _forced(seed, n):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name,criterion", [("ouro-tiny", None), ("huginn-tiny", None), ("huginn-tiny", "kl")])
+@pytest.mark.parametrize("layout", ["shared", "last_exited"])
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_emulation_fixed_point_equals_reference_decoder(name, criterion, layout, lookahead):
+    """Parallel sweeps to the fixed point = the sequential reference decoder (float64)."""
+    m = tiny_model(name, dtype=torch.float64, std=0.15, seed=3)
+    pol = ExitPolicy.from_config(m.cfg, criterion=criterion, threshold=2e-2 if criterion else 0.55, lookahead=lookahead)
+    prompt, forced = [3, 14, 15, 92], _forced(1, 14)
+    g = reference_generate(m, prompt, len(forced), pol, kv_layout=layout, forced_tokens=forced)
+    ids = torch.tensor([prompt + forced[:-1]])
+    sw, n, _ = converge(m, ids, pol, layout, prompt_len=len(prompt), max_sweeps=40, tol=0.0)
+    lp = torch.log_softmax(sw.exit_logits[0, len(prompt) - 1:], -1).gather(-1, torch.tensor(forced)[:, None])[:, 0]
+    assert (lp - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max() < 1e-10
+    assert sw.depths[0, len(prompt) - 1:].tolist() == g.exit_depths
+    assert len(set(g.exit_depths[1:])) >= 2 or criterion == "kl"
+
+
+@torch.no_grad()
+def _decode_shared(m, prompt, forced, pol):
+    """Sequential decode with looplm.stages over a shared layout; returns logits, depths, layout."""
+    L, n = len(prompt), len(prompt) + len(forced)
+    lay = make_layout("shared", m.cfg, n, torch.float64)
+    t = lambda x: torch.as_tensor(x, dtype=torch.long)  # noqa: E731
+    pb = TokenBatch(ids=t(prompt), positions=torch.arange(L), rows=torch.arange(L), steps=torch.ones(L, dtype=torch.long),
+                    seq_ids=torch.zeros(L, dtype=torch.long))
+    logits = [stages.prefill(m, lay, pb, t([L - 1]))[0]]
+    depths = [m.cfg.r_max] * L
+    for i, tok in enumerate(forced[:-1]):
+        pos = L + i
+        b = TokenBatch(ids=t([tok]), positions=t([pos]), rows=t([pos]), steps=t([1]),
+                       ctx_rows=torch.arange(pos + 1)[None], ctx_len=t([pos + 1]))
+        state, inj = stages.prelude(m, lay, b)
+        tr, aux, s = ExitTracker(pol), None, 0
+        while True:
+            s += 1
+            b.steps.fill_(s)
+            state, sc, aux = stages.core_step(m, lay, b, state, inj, pol.criterion, aux)
+            if tr.after_step(s, float(sc[0])):
+                break
+        lay.on_exit(b.rows, t([s]))
+        logits.append(stages.coda(m, lay, b, state)[0])
+        depths.append(s)
+    return torch.stack(logits), depths, lay
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_training_attention_with_known_exit_kv_equals_shared_layout(name, lookahead):
+    """Pass 2 of shared_kv.py, given the exit-depth K/V that the shared layout holds after a
+    sequential decode, reproduces that decode's logits and exit depths (with grad enabled)."""
+    m = tiny_model(name, dtype=torch.float64, std=0.15, seed=5)
+    pol = ExitPolicy.from_config(m.cfg, threshold=0.55, lookahead=lookahead)
+    prompt, forced = [5, 6, 7], _forced(2, 12)
+    logits, depths, lay = _decode_shared(m, prompt, forced, pol)
+    assert len(set(depths[len(prompt):])) >= 2, "the case needs a spread of exit depths"
+    T, S = len(prompt) + len(forced) - 1, m.cfg.r_max
+    # the layout's one slot per core layer and row = that position's exit-depth K/V
+    core = [(lay.k_core[l, :T][None, None].expand(S, 1, -1, -1, -1), lay.v_core[l, :T][None, None].expand(S, 1, -1, -1, -1))
+            for l in range(m.cfg.n_core)]
+    coda = [(lay.k_plain[m.cfg.n_prelude + l, :T][None], lay.v_plain[m.cfg.n_prelude + l, :T][None])
+            for l in range(m.cfg.n_coda)]
+    known = Sweep([], None, torch.tensor([depths[:T]]), core, coda, torch.empty(0), None)
+    for p in m.parameters():
+        p.requires_grad_(True)
+    sw = sweep(m, torch.tensor([prompt + forced[:-1]]), pol, "shared", known, prompt_len=len(prompt))
+    assert sw.exit_logits.requires_grad
+    got = sw.exit_logits[0, len(prompt) - 1:].detach()
+    assert (got - logits).abs().max() < 1e-10
+    assert sw.depths[0, len(prompt) - 1:].tolist() == depths[len(prompt) - 1:T]
+
+
+# ------------------------------------------------------------------------------------ scripts
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("skv")
+    save_pretrained(tiny_model("ouro-tiny", std=0.05, exit_criterion="learned", exit_threshold=0.6), d / "model")
+    np.save(d / "tok.npy", np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16))
+    return d
+
+
+def _skv_args(folder, out, steps, extra=()):
+    return ["train/shared_kv.py", "--model", str(folder / "model"), "--output", str(out), "--tokens",
+            str(folder / "tok.npy"), "--steps", str(steps), "--batch", "4", "--ctx", "32", "--save-every", "1",
+            "--log-every", "1", "--eval-every", "0", "--eval-windows", "2", "--threads", "1", "--warmup", "1",
+            "--lookahead", "--r-min", "2", *extra]
+
+
+def test_shared_kv_two_cpu_ranks(tiny_folder, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "train/configs/cpu_2ranks.yaml"), "--main_process_port", str(29600 + random.randrange(300)),
+           *_skv_args(tiny_folder, out, 2)]
+    r = subprocess.run(cmd, cwd=REPO, env=_env() | {"ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    prints = summary["rank_fingerprints"]
+    assert len(prints) == 2 and prints[0] == prints[1]
+    m = load_pretrained(out)
+    assert m.cfg.extra["exit_lookahead"] is True and m.cfg.r_min == 2 and m.cfg.extra["kv_layout"] == "shared"
+    before = load_pretrained(tiny_folder / "model")
+    assert any((p - q).abs().max() > 0 for p, q in zip(m.parameters(), before.parameters())), "nothing trained"
+
+
+def test_shared_kv_resume_after_interruption(tiny_folder, tmp_path):
+    run = lambda out, extra=(): subprocess.run([sys.executable, *_skv_args(tiny_folder, out, 4, extra), "--no-wandb"],  # noqa: E731
+                                               cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    r1 = run(tmp_path / "a", ["--max-steps-this-run", "2"])
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    assert "stopped at step 2" in r1.stdout and not (tmp_path / "a" / "model.safetensors").exists()
+    r2 = run(tmp_path / "a")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "at step 2" in r2.stdout and "resumed" in r2.stdout
+    steps = [rec["step"] for rec in json.loads((tmp_path / "a" / "history.json").read_text())]
+    assert steps == [0, 1, 2, 3, 4]
+    r3 = run(tmp_path / "b")  # uninterrupted: the same weights
+    assert r3.returncode == 0, r3.stderr[-3000:]
+    ma, mb = load_pretrained(tmp_path / "a"), load_pretrained(tmp_path / "b")
+    for (k, p), q in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(p, q), k
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_pretrain_smoke_and_resume(tmp_path, arch):
+    tok = tmp_path / "tok.npy"
+    np.save(tok, np.random.default_rng(0).integers(0, 64, 8000).astype(np.uint16))
+    args = [sys.executable, "train/pretrain.py", "--arch", arch, "--run-dir", str(tmp_path / "run"), "--save-to",
+            str(tmp_path / "ck"), "--tokens", str(tok), "--vocab", "64", "--hidden", "32", "--heads", "2", "--ffn", "64",
+            "--core", "1", "--prelude", "1", "--coda", "1", "--r-max", "3", "--step-weights", "0.2", "0.3", "0.5",
+            "--ctx", "16", "--batch", "4", "--warmup", "2", "--eval-every", "2", "--log-every", "1", "--eval-windows",
+            "2", "--gate-steps", "4", "--threads", "1", "--no-wandb", "--tokenizer", str(tmp_path / "none")]
+    r = subprocess.run(args + ["--steps", "2"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(args + ["--steps", "3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed" in r.stdout and "step 2" in r.stdout
+    m = load_pretrained(tmp_path / "ck")
+    assert m.cfg.exit_criterion == "learned" and 0 < m.cfg.exit_threshold < 1 and m.cfg.r_max == 3
+    hist = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert [h["step"] for h in hist if h["stage"] == 1] == [1, 2, 3]
