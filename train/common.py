@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from looplm.policy import DEFAULT_THRESHOLDS, ExitPolicy
+from looplm.policy import ExitPolicy
 from looplm.model import AttendFor, LoopedLM, plain_attend_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,7 +211,3 @@ def collect_outputs(model: LoopedLM, windows: torch.Tensor, steps: int, batch: i
 
 def ppl_per_depth(out: dict[str, torch.Tensor]) -> list[float]:
     return [round(math.exp(x), 3) for x in out["ce"].flatten(1).mean(1).tolist()]
-
-
-def default_threshold(criterion: str) -> float | None:
-    return DEFAULT_THRESHOLDS.get(criterion)

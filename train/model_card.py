@@ -45,7 +45,7 @@ def card(cfg: LoopConfig, ev: dict, history: list[dict], choice: dict | None, a)
     params = a.params
     d = ev.get("default", {})
     lines = [
-        f"# {a.model.name}: a {cfg.name} looped LM trained from scratch (demo)",
+        f"# {a.model.name}: {cfg.name} looped LM trained from scratch (demo)",
         "",
         f"A {params / 1e6:.2f}M-parameter {cfg.arch.capitalize()}-style looped LM for the looplm toolkit's tests, "
         "demos and benchmarks. Too small for any real use; it exists so that depth adaptation has "
@@ -107,6 +107,8 @@ def card(cfg: LoopConfig, ev: dict, history: list[dict], choice: dict | None, a)
         for lay in ("full_depth", "last_exited", "shared"):
             lines.append(f"| {lay} | {L[lay]['ppl']:.2f} | {L[lay]['mean_depth']:.2f} |")
         lines.append(f"\nshared vs last_exited: {100 * L['shared_vs_last_exited']:+.2f}%.")
+    if a.append is not None:
+        lines += ["", a.append.read_text().rstrip()]
     lines += ["", "## Files", "`config.json` (real " + ("Ouro" if cfg.arch == "ouro" else "Huginn") +
               " format plus `exit_criterion`, `exit_threshold`, `r_min`, `exit_gate`), `model.safetensors` "
               f"({a.dtype}), tokenizer files, `history.json` (training log), `eval.json` (the figures above), "
@@ -122,6 +124,7 @@ def main(argv=None) -> None:
     p.add_argument("--command", default="")
     p.add_argument("--recipe", default="")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--append", type=Path, default=None, help="markdown appended before the file list")
     a = p.parse_args(argv)
     cfg = LoopConfig.from_json(a.model / "config.json")
     from looplm.io import load_pretrained
