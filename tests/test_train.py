@@ -190,3 +190,12 @@ def test_pretrain_smoke_and_resume(tmp_path, arch):
     assert m.cfg.exit_criterion == "learned" and 0 < m.cfg.exit_threshold < 1 and m.cfg.r_max == 3
     hist = json.loads((tmp_path / "run" / "history.json").read_text())
     assert [h["step"] for h in hist if h["stage"] == 1] == [1, 2, 3]
+
+
+def test_sample_depth_respects_bounds_and_mean():
+    from train.pretrain import sample_depth
+    rng = np.random.default_rng(0)
+    draws = [sample_depth(rng, 6.0, 0.5, 8, r_min=4) for _ in range(4000)]
+    assert min(draws) == 4 and max(draws) == 8  # clipped to [min_depth, r_max], both ends reached
+    plain = [sample_depth(rng, 3.0, 0.5, 32) for _ in range(4000)]
+    assert min(plain) == 1 and abs(np.mean(plain) - 3.0) < 0.2  # Poisson-lognormal keeps its mean when unclipped

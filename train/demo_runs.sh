@@ -13,8 +13,8 @@ if [[ $which == both || $which == ouro ]]; then
   echo "ouro-demo pid $!"
 fi
 if [[ $which == both || $which == huginn ]]; then
-  nohup $PY train/pretrain.py --arch huginn --prelude 1 --core 2 --coda 1 --r-max 8 --mean-depth 6 --bptt 2 \
-    --steps 1500 --gate-steps 300 --threads 1 \
+  nohup $PY train/pretrain.py --arch huginn --prelude 1 --core 2 --coda 1 --r-max 8 --mean-depth 6 --min-depth 4 --bptt 4 \
+    --steps 1200 --gate-steps 300 --threads 1 \
     --run-dir .cache/runs/huginn-demo --save-to checkpoints/huginn-demo >> .cache/runs/huginn-demo/train.log 2>&1 &
   echo "huginn-demo pid $!"
 fi

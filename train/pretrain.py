@@ -48,10 +48,10 @@ def gate_params(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if "exit_gate" in n]
 
 
-def sample_depth(rng: np.random.Generator, mean: float, sigma: float, r_max: int) -> int:
-    """Huginn's Poisson-lognormal loop count, clipped to [1, r_max]."""
+def sample_depth(rng: np.random.Generator, mean: float, sigma: float, r_max: int, r_min: int = 1) -> int:
+    """Huginn's Poisson-lognormal loop count, clipped to [r_min, r_max]."""
     tau = rng.lognormal(math.log(mean) - 0.5 * sigma ** 2, sigma)
-    return int(np.clip(rng.poisson(tau), 1, r_max))
+    return int(np.clip(rng.poisson(tau), r_min, r_max))
 
 
 def lm_loss(model, batch: torch.Tensor, a: argparse.Namespace, step: int) -> tuple[torch.Tensor, int]:
@@ -61,7 +61,7 @@ def lm_loss(model, batch: torch.Tensor, a: argparse.Namespace, step: int) -> tup
         w = a.step_weights
         loss = sum(wi * token_ce(logits_of(model, s, rope), tgt).mean() for wi, s in zip(w, states)) / sum(w)
         return loss, a.r_max
-    r = sample_depth(np.random.default_rng([a.seed, step, 7]), a.mean_depth, a.depth_sigma, a.r_max)
+    r = sample_depth(np.random.default_rng([a.seed, step, 7]), a.mean_depth, a.depth_sigma, a.r_max, a.min_depth)
     states, _, rope, _ = run_loop(model, ids, r, grad_steps=a.bptt)
     if not a.window_loss:
         return token_ce(logits_of(model, states[-1], rope), tgt).mean(), r
@@ -225,6 +225,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--step-weights", type=float, nargs="+", default=[0.15, 0.15, 0.2, 0.5], help="ouro")
     p.add_argument("--mean-depth", type=float, default=4.5, help="huginn: mean sampled loop count")
     p.add_argument("--depth-sigma", type=float, default=0.5, help="huginn: lognormal sigma")
+    p.add_argument("--min-depth", type=int, default=1, help="huginn: smallest sampled loop count")
     p.add_argument("--bptt", type=int, default=3, help="huginn: backprop through the last N steps")
     p.add_argument("--window-loss", action="store_true",
                    help="huginn: LM loss at every step of the backprop window (weights 1..k), not only the last")
