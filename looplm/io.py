@@ -159,4 +159,14 @@ def load_tokenizer(path: str | os.PathLike):
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(folder))
+    from transformers.utils import logging as hf_logging
+
+    # AutoTokenizer reads config.json to find the tokenizer class; transformers knows neither "ouro" nor
+    # "huginn_raven" and warns that the (absent) model class may not fit, which is noise here
+    log = hf_logging.get_logger("transformers.configuration_utils")
+    level = log.level
+    log.setLevel(hf_logging.ERROR)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    finally:
+        log.setLevel(level)
