@@ -77,6 +77,8 @@ def evaluate(model, windows: torch.Tensor, synth: torch.Tensor | None, a) -> dic
     res["criteria"] = {}
     for c in crits:
         thr = cfg.exit_threshold if c == cfg.exit_criterion else DEFAULT_THRESHOLDS.get(c)
+        if c == "learned" and c != cfg.exit_criterion:
+            thr = a.gate_threshold  # the folder's default is another criterion: the gate needs its own q
         r = summarize_exit(out, ExitPolicy(c, thr, 1, cfg.r_max))
         r["rel_ppl_vs_full"] = r["ppl"] / full["ppl"] - 1
         res["criteria"][c] = r
@@ -118,6 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--layout-windows", type=int, default=32, help="0 skips the layout emulation")
     p.add_argument("--lookahead", action="store_true", help="layouts: evaluate with the lookahead policy")
     p.add_argument("--r-min", type=int, default=2, help="threshold sweep: the extra r_min column")
+    p.add_argument("--gate-threshold", type=float, default=0.5,
+                   help="learned-gate threshold for the criteria table when the folder's default criterion is another")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
