@@ -28,7 +28,7 @@ import yaml
 
 from eval.plots import plot
 
-SETTINGS = ("exit_threshold", "r_min", "kv_layout", "lookahead", "policy")
+SETTINGS = ("exit_criterion", "exit_threshold", "r_min", "kv_layout", "lookahead", "policy")
 DEFAULTS = dict(tasks="looped_suite", limit=24, bench_workload="alpaca", bench_requests=16, bench_scale=1.0,
                 bench_repeats=1, batch_size=32, dtype="float32", device="cpu", seed=0, baselines=True,
                 bootstrap_iters=100, project="looped-eval")
@@ -72,7 +72,7 @@ def policy_key(p: dict) -> tuple:
     r_min = p.get("r_min") or 1
     if p.get("lookahead"):
         r_min = max(r_min, 2)
-    return ("cdb", p.get("kv_layout"), p.get("exit_threshold"), r_min, bool(p.get("lookahead")))
+    return ("cdb", p.get("exit_criterion"), p.get("kv_layout"), p.get("exit_threshold"), r_min, bool(p.get("lookahead")))
 
 
 # ---------------------------------------------------------------- one point
@@ -109,7 +109,8 @@ def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager) -> di
 def bench_point(pretrained, point: dict, cfg: dict) -> dict[str, float]:
     from infer import bench
 
-    kw = {k: point[k] for k in ("exit_threshold", "r_min", "lookahead", "kv_layout") if point.get(k) is not None}
+    kw = {k: point[k] for k in ("exit_criterion", "exit_threshold", "r_min", "lookahead", "kv_layout")
+          if point.get(k) is not None}
     scale = cfg["bench_scale"] if cfg["bench_scale"] == "auto" else float(cfg["bench_scale"])
     runs = [bench.throughput(pretrained, policy=point.get("policy") or "cdb", workload=cfg["bench_workload"],
                              num_requests=int(cfg["bench_requests"]), scale=scale, seed=int(cfg["seed"]),

@@ -265,7 +265,7 @@ def load_any(model, dtype: str = "float32", device: str = "cpu"):
 
 # ---------------------------------------------------------------------------------- the API
 def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout="last_exited", exit_threshold=None,
-               r_min=None, lookahead=False, workload="alpaca", num_requests=32, scale=1.0, seed=0,
+               r_min=None, lookahead=False, exit_criterion=None, workload="alpaca", num_requests=32, scale=1.0, seed=0,
                max_batch_size=32, dtype="float32", device="cpu") -> dict:
     """Offline throughput of one engine configuration on a workload (EOS ignored, one timed run
     after a warm-up on the same engine: 2 requests on CPU, all of them on CUDA). `model`: checkpoint folder, preset name or LoopedLM; `scale`
@@ -274,7 +274,7 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
     stage statistics and the settings."""
     m, tok = load_any(model, dtype, device)
     base = dict(kv_layout=kv_layout, max_batch_size=max_batch_size, exit_threshold=exit_threshold, r_min=r_min,
-                lookahead=lookahead)
+                lookahead=lookahead, exit_criterion=exit_criterion)
     mode = {"name": policy if policy == "cb" else f"cdb_{'refill_k%d' % min_coda_batch if refill else 'norefill'}",
             "policy": policy, "refill": refill, "min_coda_batch": min_coda_batch}
     reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_position=m.cfg.max_position,

@@ -183,6 +183,8 @@ def test_grid_dedupes_equal_policies_and_adds_baselines():
     assert len(pts) == 8 + 2
     keys = {sweep.policy_key(p) for p in pts}
     assert len(keys) == 4 + 2 + 2  # lookahead: r_min 1 == r_min 2
+    kl, gate = ({"exit_criterion": c, "exit_threshold": 0.5, "kv_layout": "shared"} for c in ("kl", "learned"))
+    assert sweep.policy_key(kl) != sweep.policy_key(gate)  # the criterion is part of the policy
     from eval.plots import pareto_front
     assert pareto_front([(1, 1), (2, 0.5), (0.5, 2), (0.4, 0.4), (2, 0.4)]) == [2, 0, 1]
 
@@ -248,3 +250,12 @@ def test_report_drop_point_and_lookahead_cost(tmp_path):
     with open(tmp_path / "r.csv", "w") as f:
         f.write(",".join(rows[1]) + "\n" + "\n".join(",".join(r[k] for k in rows[1]) for r in rows) + "\n")
     assert "| cdb | 0.9 | 2 | last_exited | no | 3.50 | 2.010 |" in report.report(tmp_path / "r.csv")
+
+
+def test_sweep_point_passes_the_criterion_to_the_bench(monkeypatch):
+    from infer import bench
+    seen = {}
+    monkeypatch.setattr(bench, "throughput", lambda model, **kw: seen.update(kw) or {"output_tokens_per_s": 1.0})
+    cfg = {**sweep.DEFAULTS, "bench_repeats": 1}
+    sweep.bench_point("m", {"exit_criterion": "learned", "exit_threshold": 0.9, "r_min": 2, "lookahead": False}, cfg)
+    assert seen["exit_criterion"] == "learned" and seen["exit_threshold"] == 0.9 and seen["r_min"] == 2
