@@ -109,8 +109,7 @@ def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager) -> di
 def bench_point(pretrained, point: dict, cfg: dict) -> dict[str, float]:
     from infer import bench
 
-    kw = {k: point[k] for k in ("exit_criterion", "exit_threshold", "r_min", "lookahead", "kv_layout")
-          if point.get(k) is not None}
+    kw = {k: point[k] for k in SETTINGS if k != "policy" and point.get(k) is not None}
     scale = cfg["bench_scale"] if cfg["bench_scale"] == "auto" else float(cfg["bench_scale"])
     runs = [bench.throughput(pretrained, policy=point.get("policy") or "cdb", workload=cfg["bench_workload"],
                              num_requests=int(cfg["bench_requests"]), scale=scale, seed=int(cfg["seed"]),

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from infer.bench import bench_workload, format_table, model_meta, modes_for, write_outputs
     from infer.llm import load_model
+    from looplm.policy import ExitPolicy
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -94,15 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         base = dict(max_batch_size=a.max_batch_size, exit_threshold=PRESET_THRESHOLDS.get(src))
         if note is None:
             base.update(CHECKPOINT_POLICY.get(arch, {}))
-        crit = base.get("exit_criterion", model.cfg.exit_criterion)
-        q = base["exit_threshold"] if base["exit_threshold"] is not None else model.cfg.exit_threshold
+        pol = ExitPolicy.from_config(model.cfg, criterion=base.get("exit_criterion"), threshold=base["exit_threshold"])
         blocks = [bench_workload(model, tok, w, num_requests=n, scale=0.3 if a.tiny else "auto", seed=0, modes=modes, repeats=repeats,
                                  base=base, progress=bar) for w in workloads]
         name = Path(src).name
         meta = {**model_meta(model, src, tok), "note": note, "title": f"{name}: CDB speedup over CB vs the bound",
                 "command": "python -m scripts.demo " + " ".join(argv if argv is not None else sys.argv[1:])}
         paths = write_outputs(blocks, meta, a.out, name)
-        reports.append((src, note, f"{model.cfg.name}; exits: {crit} q={q}", tok is not None, blocks, paths))
+        reports.append((src, note, f"{model.cfg.name}; exits: {pol.criterion} q={pol.threshold}", tok is not None, blocks, paths))
     bar.close()
     for src, note, cfgname, has_tok, blocks, paths in reports:
         print(f"\n##### {src} ({cfgname}); prompts: {'real text' if has_tok else 'random token ids'}")

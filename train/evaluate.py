@@ -76,9 +76,12 @@ def evaluate(model, windows: torch.Tensor, synth: torch.Tensor | None, a) -> dic
     crits = (["learned"] if cfg.exit_gate else []) + ["kl", "latent_diff"]
     res["criteria"] = {}
     for c in crits:
-        thr = cfg.exit_threshold if c == cfg.exit_criterion else DEFAULT_THRESHOLDS.get(c)
-        if c == "learned" and c != cfg.exit_criterion:
+        if c == cfg.exit_criterion:
+            thr = cfg.exit_threshold
+        elif c == "learned":
             thr = a.gate_threshold  # the folder's default is another criterion: the gate needs its own q
+        else:
+            thr = DEFAULT_THRESHOLDS.get(c)
         r = summarize_exit(out, ExitPolicy(c, thr, 1, cfg.r_max))
         r["rel_ppl_vs_full"] = r["ppl"] / full["ppl"] - 1
         res["criteria"][c] = r
