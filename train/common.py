@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from looplm.policy import ExitPolicy
 from looplm.model import AttendFor, LoopedLM, plain_attend_for
@@ -43,12 +44,14 @@ def eval_windows(tokens: np.ndarray, ctx: int, max_windows: int | None = None) -
 
 
 def wandb_env(run_dir: Path) -> None:
-    """Offline by default, and nothing under $HOME."""
+    """Offline by default; the run's files under `run_dir/wandb` (unless WANDB_DIR is set), wandb's
+    caches under the repo's .cache/wandb, nothing under $HOME."""
     base = CACHE / "wandb"
     os.environ.setdefault("WANDB_MODE", "offline")
-    for k, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
-                   ("WANDB_CONFIG_DIR", "config")):
+    os.environ.setdefault("WANDB_DIR", str(Path(run_dir).resolve()))
+    for k, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"), ("WANDB_CONFIG_DIR", "config")):
         os.environ.setdefault(k, str(base / sub))
+    for k in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         Path(os.environ[k]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -88,10 +91,25 @@ class History:
 
 
 # ----------------------------------------------------------------------------- model passes
+def checkpointed_step(model: LoopedLM, state: torch.Tensor, inj, rope, attend_for: AttendFor, enabled: bool = True,
+                      before=None) -> torch.Tensor:
+    """model.core_step under activation checkpointing (non-reentrant): the step's activations are
+    recomputed in the backward pass instead of kept. `before()` runs before the forward and again
+    before the recomputation (it restores any state `attend_for` reads, e.g. the loop step)."""
+    def fn(st, ij):
+        if before is not None:
+            before()
+        return model.core_step(st, ij, rope, attend_for)
+    if not enabled or not torch.is_grad_enabled():
+        return fn(state, inj)
+    return torch.utils.checkpoint.checkpoint(fn, state, inj, use_reentrant=False)
+
+
 def run_loop(model: LoopedLM, ids: torch.Tensor, steps: int, attend_for: AttendFor = plain_attend_for,
-             grad_steps: int | None = None, init_scale: float = 0.0):
+             grad_steps: int | None = None, init_scale: float = 0.0, checkpoint: bool = False):
     """Prelude + `steps` core steps. Returns (states [s_1..s_steps], inj, rope, s_0). With
-    `grad_steps`, only the last `grad_steps` core steps keep a graph (truncated backprop, Huginn-style)."""
+    `grad_steps`, only the last `grad_steps` core steps keep a graph (truncated backprop, Huginn-style).
+    `checkpoint`: activation checkpointing per core step (`--gradient-checkpointing`)."""
     T = ids.shape[1]
     rope = model.rope(torch.arange(T, device=ids.device))
     state, inj = model.prelude(ids, rope, attend_for, init_scale)
@@ -104,7 +122,7 @@ def run_loop(model: LoopedLM, ids: torch.Tensor, steps: int, attend_for: AttendF
                 state = model.core_step(state, inj, rope, attend_for)
             state = state.detach()
         else:
-            state = model.core_step(state, inj, rope, attend_for)
+            state = checkpointed_step(model, state, inj, rope, attend_for, checkpoint)
         states.append(state)
     return states, inj, rope, s0
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from looplm.layers import causal_attend
 from looplm.model import LoopedLM
 from looplm.policy import ExitPolicy
-from train.common import exit_depths
+from train.common import checkpointed_step, exit_depths
 
 LAYOUTS = ("full_depth", "last_exited", "shared")
 
@@ -123,9 +123,10 @@ def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, logits, aux)
 
 
 def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prev: Sweep | None = None,
-          prompt_len: int = 1, step_logits: bool = False) -> Sweep:
+          prompt_len: int = 1, step_logits: bool = False, checkpoint: bool = False) -> Sweep:
     """One parallel pass of the loop over ids [B, T] (see the module docstring). Runs with or
-    without grad, as the caller's context decides; context K/V from `prev` are detached."""
+    without grad, as the caller's context decides; context K/V from `prev` are detached.
+    `checkpoint`: activation checkpointing per core step (the recomputation restores the step)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; supported: {LAYOUTS}")
     if prev is not None:
@@ -140,7 +141,7 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     states, scores, logits_list, aux = [], [], [], None
     for s in range(1, S + 1):
         rec.step = s
-        new = model.core_step(state, inj, rope, rec)
+        new = checkpointed_step(model, state, inj, rope, rec, checkpoint, before=lambda s=s: setattr(rec, "step", s))
         logits = None
         if need_logits:
             rec.coda_mode = "step"

@@ -22,8 +22,10 @@ re-launch resumes from the latest. The final model is an HF folder in OUTPUT.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -36,7 +38,10 @@ from torch import nn
 from looplm.config import replace
 from looplm.io import load_pretrained, load_tokenizer, save_pretrained
 from looplm.policy import ExitPolicy
-from train.common import TOKENIZER, History, eval_windows, init_wandb, random_windows, token_ce
+from train import cli
+from train.cli import UserError
+from train.common import TOKENIZER, History, init_wandb, token_ce
+from train.datasource import Tokens, from_corpus, from_dataset, from_npy
 from train.kv_emulation import LAYOUTS, Sweep, sweep
 
 
@@ -56,17 +61,21 @@ class SharedKVObjective(nn.Module):
     def __init__(self, model, a: argparse.Namespace, policy: ExitPolicy):
         super().__init__()
         self.model, self.a, self.policy = model, a, policy
+        self.autocast: str | None = None  # the autocast dtype seen in the first forward (mixed precision)
 
     def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "pass2"):
         a, m, pol = self.a, self.model, self.policy
         ids, tgt = batch[:, :-1], batch[:, 1:]
+        if self.autocast is None:
+            dev = batch.device.type
+            self.autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else "off"
         if mode == "pass1":
             with torch.no_grad():
                 cur = None
                 for _ in range(a.pass1_sweeps):
                     cur = sweep(m, ids, pol, a.layout, cur, a.prompt_len)
             return cur
-        sw = sweep(m, ids, pol, a.layout, prev, a.prompt_len, step_logits=True)
+        sw = sweep(m, ids, pol, a.layout, prev, a.prompt_len, step_logits=True, checkpoint=a.gradient_checkpointing)
         ce_exit = token_ce(sw.exit_logits, tgt)
         ce_steps = torch.stack([token_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
         lm = ce_exit.mean() + a.step_loss * ce_steps.mean()
@@ -155,6 +164,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--wd", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--dataset", default=None,
+                   help="a `datasets` source: local .jsonl/.json/.parquet/.csv/.txt/.arrow file or folder, a "
+                        "save_to_disk folder, or a hub name (online); tokenised with the model's tokenizer")
+    p.add_argument("--text-column", default="text", help="the --dataset column holding the text")
+    p.add_argument("--heldout-frac", type=float, default=0.1,
+                   help="--dataset without a validation/test split: this share of the packed windows is held out")
     p.add_argument("--tokens", type=Path, help=".npy token ids to train on (default: the built corpus)")
     p.add_argument("--heldout-tokens", type=Path, help=".npy held-out token ids")
     p.add_argument("--tokenizer", type=Path, default=None, help="default: the model folder's, else .cache/tokenizer")
@@ -169,39 +184,128 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="weights dtype while training")
     p.add_argument("--save-dtype", default="float32")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
+                   help="autocast (default: the launcher's / accelerate config's, else no)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each core step's activations in the backward pass")
     p.add_argument("--no-wandb", action="store_true")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p.parse_args(argv)
 
 
-def load_data(a) -> tuple[np.ndarray, np.ndarray]:
+def check_model_arg(model: Path) -> None:
+    """A missing --model fails before anything is created (no empty --output left behind)."""
+    if model.exists():
+        if not (model / "config.json").exists():
+            raise UserError(f"--model {model}: the folder has no config.json (not an HF-format looped LM)")
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    if offline or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise UserError(f"--model {model}: no such folder" + (" (hub ids need HF_HUB_OFFLINE unset)" if offline else ""))
+
+
+def load_data(a, tokenizer_dir: Path, acc) -> Tokens:
+    if a.dataset is not None:
+        return from_dataset(a.dataset, a.text_column, tokenizer_dir, a.ctx, a.heldout_frac,
+                            is_main=acc.is_main_process, wait=acc.wait_for_everyone)
     if a.tokens is not None:
-        train = np.load(a.tokens).astype(np.int64)
-        held = np.load(a.heldout_tokens).astype(np.int64) if a.heldout_tokens else train[-len(train) // 10:]
-        return train, held
-    from train.common import load_tokens
-    tok = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
-    return load_tokens("train", tok), load_tokens("heldout", tok)
+        return from_npy(a.tokens, a.heldout_tokens)
+    train, held = from_corpus(("train", "heldout"), tokenizer_dir)
+    return Tokens(train, held, meta={"source": "corpus", "train_tokens": int(len(train))})
+
+
+def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
+    """What makes two launches the same run (a resume must match; --steps may grow)."""
+    cfg = Path(a.model) / "config.json"
+    data = ({"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
+            {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
+    keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
+            "prompt_len", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+    return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
+            "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
+            **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
+
+
+def local_param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (an FSDP rank: its shard; DDP: the whole model)."""
+    seen, total = set(), 0
+    flat = [m for m in module.modules() if hasattr(m, "_flat_param") or type(m).__name__ == "FlatParameter"]
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    if flat:  # FSDP1 (use_orig_params): the original params are views; count the local flat shards
+        shards = {id(m._flat_param): m._flat_param for m in flat if getattr(m, "_flat_param", None) is not None}
+        total = sum(fp._local_shard.numel() * fp._local_shard.element_size() if hasattr(fp, "_local_shard")
+                    else fp.numel() * fp.element_size() for fp in shards.values())
+    return int(total)
 
 
 def main(argv=None) -> None:
     a = parse(argv)
+    check_model_arg(a.model)
+    cli.die_with_launcher()
     if a.threads:
         torch.set_num_threads(a.threads)
     from accelerate import Accelerator
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    a.output.mkdir(parents=True, exist_ok=True)
+    from accelerate.utils import DistributedType
+    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=a.mixed_precision)
+    cli.check_launch(acc, "train/shared_kv.py")
+    cli.fsdp_on_cpu(acc)
+    fsdp = acc.distributed_type == DistributedType.FSDP
+    cli.banner(acc, "train/shared_kv.py", f"gradient_checkpointing={a.gradient_checkpointing}")
+    tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
+    ident = identity(a, tok_dir, acc.num_processes)
+    summary_file = a.output / "summary.json"
+    if (a.output / "run.json").exists():
+        cli.claim_output(a.output, ident, False)  # raises on another model / config
+        if summary_file.exists() and json.loads(summary_file.read_text()).get("steps", 0) >= a.steps:
+            acc.print(f"already finished: {a.output} holds the finished run ({a.steps} steps, summary.json); "
+                      "pass a new --output (or a larger --steps to continue it)")
+            return
+    elif summary_file.exists():
+        acc.print(f"already finished: {a.output} holds a finished run (summary.json); pass a new --output")
+        return
+    created = not a.output.exists()
+    acc.wait_for_everyone()
+    try:
+        cli.claim_output(a.output, ident, acc.is_main_process)
+        acc.wait_for_everyone()
+        train(a, acc, tok_dir, fsdp)
+    except BaseException:
+        if acc.is_main_process:
+            cli.remove_if_unused(a.output, created)
+        raise
+
+
+def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     model = load_pretrained(a.model, dtype=a.dtype, device=acc.device)
     if a.criterion is None and model.cfg.exit_criterion == "ouro_gate" and a.train != "lm":
         a.criterion = "learned"  # the BCE gate is a per-step "stop now" head, not Ouro's CDF
     policy = policy_for(model.cfg, a)
     if not policy.adaptive:
-        raise SystemExit(f"criterion {policy.criterion!r} with threshold {policy.threshold} never exits; "
-                         "pass --criterion/--threshold")
-    train_tok, held = load_data(a)
-    val = eval_windows(held, a.ctx, a.eval_windows)
+        raise UserError(f"criterion {policy.criterion!r} with threshold {policy.threshold} never exits; "
+                        "pass --criterion/--threshold")
+    data = load_data(a, tok_dir, acc)
+    if int(data.train.max()) >= model.cfg.vocab_size:
+        raise UserError(f"the training tokens reach id {int(data.train.max())} but the model's vocabulary has "
+                        f"{model.cfg.vocab_size} (another tokenizer? pass --tokenizer)")
+    val = data.eval(a.ctx, a.eval_windows)
     gate_names = {n for n, _ in model.named_parameters() if "exit_gate" in n}
     for n, p in model.named_parameters():
         p.requires_grad_(a.train == "all" or (a.train == "gate") == (n in gate_names))
+    hist = History(a.output / "history.json")
+    ck = latest_ckpt(a.output)
+    if ck is None and acc.is_main_process and a.eval_windows:
+        model.eval()
+        rec = {"step": 0, **{f"{lay}_{k}": v for lay in (a.layout, "last_exited")
+                             for k, v in quick_eval(model, val, a, policy, lay).items()}}
+        hist.records = []
+        hist.log(rec)
+        acc.print(json.dumps(rec))
+    # FSDP shards the parameters in place: evaluation and saving use a full copy on the main rank
+    shadow = copy.deepcopy(model).eval() if fsdp and acc.is_main_process else None
     lm_p = [p for n, p in model.named_parameters() if p.requires_grad and n not in gate_names]
     gate_p = [p for n, p in model.named_parameters() if p.requires_grad and n in gate_names]
     groups = [g for g in ({"params": lm_p, "lr": a.lr, "weight_decay": a.wd},
@@ -210,30 +314,40 @@ def main(argv=None) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / a.warmup) * max(0.1, 1.0 - s / max(1, a.steps)))
     obj, opt, sched = acc.prepare(SharedKVObjective(model, a, policy), opt, sched)
-    hist = History(a.output / "history.json")
+    param_bytes = local_param_bytes(obj)
+
+    def full_model():
+        """The whole model on the main rank (a collective under FSDP: every rank calls it)."""
+        if not fsdp:
+            return acc.unwrap_model(obj).model
+        # (accelerate's get_state_dict returned the local shard views on CPU ranks here; gathering
+        # the parameters with summon_full_params is the collective that works on gloo)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        with FSDP.summon_full_params(obj, writeback=False):
+            if shadow is not None:
+                inner = acc.unwrap_model(obj).model
+                shadow.load_state_dict({k: v.detach().clone() for k, v in inner.state_dict().items()})
+        return shadow
+
     wb = init_wandb(a.output, "looplm-shared-kv", vars(a) | {"world_size": acc.num_processes},
                     enabled=not a.no_wandb and acc.is_main_process)
     step = 0
-    ck = latest_ckpt(a.output)
     if ck is not None:
         acc.load_state(str(ck))
         step = json.loads((ck / "meta.json").read_text())["step"]
         hist.truncate(step)
         acc.print(f"resumed from {ck} at step {step}")
-    elif acc.is_main_process and a.eval_windows:
-        rec = {"step": 0, **{f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                             for k, v in quick_eval(model, val, a, policy, lay).items()}}
-        hist.log(rec)
-        acc.print(json.dumps(rec))
-    t0, ran, logs = time.time(), 0, []
+    t0, ran, logs, first_batch = time.time(), 0, [], None
     while step < a.steps and (a.max_steps_this_run is None or ran < a.max_steps_this_run):
-        batch = random_windows(train_tok, a.batch, a.ctx, [a.seed, step, acc.process_index]).to(acc.device)
+        batch = data.batch(a.batch, a.ctx, [a.seed, step, acc.process_index]).to(acc.device)
+        if first_batch is None:
+            first_batch = batch.tolist()
         obj.train()
         prev = obj(batch, mode="pass1")
         out = obj(batch, prev, mode="pass2")
         opt.zero_grad(set_to_none=True)
         acc.backward(out["loss"])
-        acc.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], a.clip)
+        acc.clip_grad_norm_(obj.parameters(), a.clip)
         opt.step()
         sched.step()
         step, ran = step + 1, ran + 1
@@ -242,11 +356,12 @@ def main(argv=None) -> None:
             rec = {"step": step, **{k: float(np.mean([x[k] for x in logs])) for k in logs[0]},
                    "time_s": round(time.time() - t0, 1)}
             logs = []
-            if a.eval_every and (step % a.eval_every == 0 or step == a.steps) and acc.is_main_process:
-                m = acc.unwrap_model(obj).model
-                m.eval()
-                rec.update({f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                            for k, v in quick_eval(m, val, a, policy, lay).items()})
+            if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
+                m = full_model()
+                if acc.is_main_process:
+                    m.eval()
+                    rec.update({f"{lay}_{k}": v for lay in (a.layout, "last_exited")
+                                for k, v in quick_eval(m, val, a, policy, lay).items()})
             if acc.is_main_process:
                 hist.log(rec)
                 if wb is not None:
@@ -264,12 +379,24 @@ def main(argv=None) -> None:
     if step < a.steps:
         acc.print(f"stopped at step {step} of {a.steps} (--max-steps-this-run); re-launch to resume")
         return
-    model = acc.unwrap_model(obj).model.eval()
-    prints = acc.gather_for_metrics([fingerprint(model)], use_gather_object=True)
+    model = full_model()
+    # every rank's view of the weights: DDP ranks hold full replicas; FSDP ranks hold shards, so
+    # their fingerprint is the gathered model's (main rank) and the shard sizes are recorded instead
+    prints = acc.gather_for_metrics([fingerprint(model) if model is not None else None], use_gather_object=True)
+    bytes_per_rank = acc.gather_for_metrics([param_bytes], use_gather_object=True)
+    autocast = acc.gather_for_metrics([acc.unwrap_model(obj).autocast], use_gather_object=True)
     if not acc.is_main_process:
         return
+    model = model.eval()
     cfg_kw = {"r_min": a.r_min, "exit_criterion": policy.criterion, "exit_threshold": policy.threshold}
-    summary = {"steps": step, "rank_fingerprints": prints, "layout": a.layout, "lookahead": a.lookahead}
+    summary = {"steps": step, "rank_fingerprints": [p for p in prints if p is not None],
+               "world_size": acc.num_processes, "distributed_type": acc.distributed_type.value,
+               "mixed_precision": acc.mixed_precision, "autocast": autocast[0],
+               "gradient_checkpointing": a.gradient_checkpointing,
+               "rank_param_bytes": bytes_per_rank, "model_param_bytes": sum(p.numel() * p.element_size()
+                                                                             for p in {id(p): p for p in model.parameters()}.values()),
+               "layout": a.layout, "lookahead": a.lookahead,
+               "data": {k: v for k, v in data.meta.items() if k != "key"}, "first_batch_rank0": first_batch}
     if a.target_mean_depth is not None:
         q, grid = choose_threshold(model, val, a)
         cfg_kw["exit_threshold"] = q
@@ -278,10 +405,9 @@ def main(argv=None) -> None:
                                                    "kv_layout": a.layout})
     save_pretrained(model, a.output, dtype=a.save_dtype, tokenizer=load_tokenizer(a.model))
     (a.output / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: v for k, v in summary.items() if k != "threshold_grid"}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("threshold_grid", "first_batch_rank0")}))
     if wb is not None:
         wb.finish()
 
-
 if __name__ == "__main__":
-    main()
+    cli.run(main)
