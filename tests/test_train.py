@@ -13,9 +13,9 @@ import torch
 
 from kv_layouts import make_layout
 from looplm import ExitPolicy, ExitTracker, load_pretrained, save_pretrained, tiny_model
-from looplm import stages
-from looplm.reference import reference_generate
-from looplm.stages import TokenBatch
+from infer.engine import stages
+from infer.engine.reference import reference_generate
+from infer.engine.stages import TokenBatch
 from train.common import exit_depths
 from train.kv_emulation import Sweep, converge, sweep
 
@@ -149,7 +149,9 @@ def test_shared_kv_two_cpu_ranks(tiny_folder, tmp_path):
     prints = summary["rank_fingerprints"]
     assert len(prints) == 2 and prints[0] == prints[1]
     m = load_pretrained(out)
-    assert m.cfg.extra["exit_lookahead"] is True and m.cfg.r_min == 2 and m.cfg.extra["kv_layout"] == "shared"
+    cfg_key = lambda k: getattr(m.cfg, k, None) if getattr(m.cfg, k, None) is not None else m.cfg.extra.get(k)  # noqa: E731
+    assert cfg_key("exit_lookahead") is True and m.cfg.r_min == 2 and cfg_key("kv_layout") == "shared"
+    assert "world_size=2 backend=gloo distributed_type=MULTI_CPU" in r.stdout, r.stdout[-2000:]
     before = load_pretrained(tiny_folder / "model")
     assert any((p - q).abs().max() > 0 for p, q in zip(m.parameters(), before.parameters())), "nothing trained"
 

@@ -6,7 +6,8 @@ tokenised with the model's tokenizer and followed by EOS; the stream is packed i
 windows of ctx+1 tokens (the last partial window is dropped). Held-out: the source's `validation`
 / `test` split when it has one, else the last `heldout_frac` of the packed windows (never trained
 on). The packed arrays are cached under `.cache/datasets/<key>/`, key = sha256 of (source and, for
-local files, their names/sizes/mtimes; column; tokenizer.json; ctx; heldout_frac).
+local files, their names/sizes/mtimes; column; tokenizer.json; ctx; heldout_frac); env
+LOOPLM_DATASETS_CACHE moves that cache.
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _pack(stream: np.ndarray, ctx: int) -> np.ndarray:
 
 
 def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldout_frac: float = 0.1,
-                 cache_root: Path = DATASETS_CACHE, is_main: bool = True, wait=None) -> Tokens:
+                 cache_root: Path | None = None, is_main: bool = True, wait=None) -> Tokens:
     """Tokenise + pack `source` (see the module docstring), cached. `wait()` (e.g.
     accelerator.wait_for_everyone) lets rank 0 build the cache while the others wait."""
     from looplm.io import load_tokenizer
@@ -126,6 +127,7 @@ def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldou
     src = {"source": str(p.resolve()) if p.exists() else source, "stamp": _local_stamp(p) if p.exists() else None}
     key_dict = {**src, "column": column, "tokenizer": tok_key, "ctx": ctx, "heldout_frac": heldout_frac}
     key = hashlib.sha256(json.dumps(key_dict, sort_keys=True).encode()).hexdigest()[:16]
+    cache_root = Path(cache_root or os.environ.get("LOOPLM_DATASETS_CACHE") or DATASETS_CACHE)
     d = cache_root / key
     if is_main and not (d / "meta.json").exists():
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

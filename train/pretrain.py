@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -24,13 +25,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from looplm.config import LoopConfig, replace
 from looplm.policy import ExitPolicy
 from looplm.io import build_model, load_tokenizer, save_pretrained
 from looplm.presets import init_weights
-from train.common import (TOKENIZER, History, collect_outputs, eval_windows, init_wandb, load_tokens,
-                          logits_of, ppl_per_depth, random_windows, run_loop, summarize_exit, token_ce)
+from train import cli
+from train.cli import UserError
+from train.common import (CORPUS, TOKENIZER, History, collect_outputs, eval_windows, init_wandb, logits_of,
+                          ppl_per_depth, run_loop, summarize_exit, token_ce)
+from train.datasource import Tokens, from_corpus, from_dataset, from_npy
 
 
 def model_config(a: argparse.Namespace) -> LoopConfig:
@@ -57,12 +62,12 @@ def sample_depth(rng: np.random.Generator, mean: float, sigma: float, r_max: int
 def lm_loss(model, batch: torch.Tensor, a: argparse.Namespace, step: int) -> tuple[torch.Tensor, int]:
     ids, tgt = batch[:, :-1], batch[:, 1:]
     if a.arch == "ouro":
-        states, _, rope, _ = run_loop(model, ids, a.r_max)
+        states, _, rope, _ = run_loop(model, ids, a.r_max, checkpoint=a.gradient_checkpointing)
         w = a.step_weights
         loss = sum(wi * token_ce(logits_of(model, s, rope), tgt).mean() for wi, s in zip(w, states)) / sum(w)
         return loss, a.r_max
     r = sample_depth(np.random.default_rng([a.seed, step, 7]), a.mean_depth, a.depth_sigma, a.r_max, a.min_depth)
-    states, _, rope, _ = run_loop(model, ids, r, grad_steps=a.bptt)
+    states, _, rope, _ = run_loop(model, ids, r, grad_steps=a.bptt, checkpoint=a.gradient_checkpointing)
     if not a.window_loss:
         return token_ce(logits_of(model, states[-1], rope), tgt).mean(), r
     # loss at every step inside the backprop window, heavier towards the last (Ouro-like supervision)
@@ -70,6 +75,17 @@ def lm_loss(model, batch: torch.Tensor, a: argparse.Namespace, step: int) -> tup
     w = torch.arange(1, k + 1, dtype=torch.float32)
     w = w / w.sum()
     return sum(wi * token_ce(logits_of(model, s, rope), tgt).mean() for wi, s in zip(w, states[-k:])), r
+
+
+class PretrainObjective(nn.Module):
+    """The model behind one forward (batch -> loss), so DDP syncs gradients and autocast applies."""
+
+    def __init__(self, model, a: argparse.Namespace):
+        super().__init__()
+        self.model, self.a = model, a
+
+    def forward(self, batch: torch.Tensor, step: int):
+        return lm_loss(self.model, batch, self.a, step)
 
 
 def lr_lambda(a: argparse.Namespace):
@@ -103,17 +119,21 @@ def save_ckpt(accelerator, run_dir: Path, step: int, meta: dict, keep: int = 2) 
     accelerator.wait_for_everyone()
 
 
-def stage1(a, accelerator, model, train_tok, windows, hist: History, wb) -> None:
+def stage1(a, accelerator, model, data: Tokens, windows, hist: History, wb) -> None:
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(a))
-    pmodel, opt, sched = accelerator.prepare(model, opt, sched)
+    pmodel, opt, sched = accelerator.prepare(PretrainObjective(model, a), opt, sched)
     step, elapsed = 0, 0.0
     ck = latest_ckpt(a.run_dir)
     if ck is not None:
-        accelerator.load_state(str(ck))
+        try:
+            accelerator.load_state(str(ck))
+        except Exception as e:  # noqa: BLE001 - e.g. a state_dict from another model
+            raise UserError(f"cannot resume from {ck}: it holds another model or an older format "
+                            f"({str(e).splitlines()[0][:200]}); pass a new --run-dir") from e
         meta = json.loads((ck / "meta.json").read_text())
         step, elapsed = meta["step"], meta["elapsed_s"]
         hist.truncate(step)
@@ -122,8 +142,8 @@ def stage1(a, accelerator, model, train_tok, windows, hist: History, wb) -> None
     t0, last_save, tokens = time.time() - elapsed, time.time(), 0
     losses = []
     while step < a.steps:
-        batch = random_windows(train_tok, a.batch, a.ctx, [a.seed, step, accelerator.process_index])
-        loss, r = lm_loss(pmodel, batch.to(accelerator.device), a, step)
+        batch = data.batch(a.batch, a.ctx, [a.seed, step, accelerator.process_index])
+        loss, r = pmodel(batch.to(accelerator.device), step)
         opt.zero_grad(set_to_none=True)
         accelerator.backward(loss)
         gnorm = accelerator.clip_grad_norm_(pmodel.parameters(), a.clip)
@@ -135,7 +155,7 @@ def stage1(a, accelerator, model, train_tok, windows, hist: History, wb) -> None
             rec = {"step": step, "stage": 1, "loss": float(np.mean(losses)), "lr": sched.get_last_lr()[0],
                    "grad_norm": float(gnorm), "depth": r, "time_s": round(time.time() - t0, 1)}
             losses = []
-            if step % a.eval_every == 0 or step == a.steps:
+            if (step % a.eval_every == 0 or step == a.steps) and accelerator.is_main_process:
                 rec.update(evaluate_depths(model, windows, a.r_max))
             if accelerator.is_main_process:
                 hist.log(rec)
@@ -149,7 +169,7 @@ def stage1(a, accelerator, model, train_tok, windows, hist: History, wb) -> None
             last_save = time.time()
 
 
-def stage2(a, model, train_tok, windows: dict, hist: History, wb) -> dict:
+def stage2(a, model, data: Tokens, windows: dict, hist: History, wb) -> dict:
     """LM frozen; the gate learns 'stop now' = continuing improves CE by less than the margin."""
     for p in model.parameters():
         p.requires_grad_(False)
@@ -161,7 +181,7 @@ def stage2(a, model, train_tok, windows: dict, hist: History, wb) -> dict:
     model.eval()
     t0 = time.time()
     for it in range(a.gate_steps):
-        batch = random_windows(train_tok, a.batch, a.ctx, [a.seed, 10 ** 6 + it, 0])
+        batch = data.batch(a.batch, a.ctx, [a.seed, 10 ** 6 + it, 0])
         ids, tgt = batch[:, :-1], batch[:, 1:]
         with torch.no_grad():
             states, _, rope, _ = run_loop(model, ids, a.r_max)
@@ -206,6 +226,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     p.add_argument("--tokens", type=Path, default=None,
                    help="train on these .npy token ids instead of the built corpus (tests); held-out = last 10%%")
+    p.add_argument("--dataset", default=None,
+                   help="a `datasets` source (local .jsonl/.parquet/.csv/.txt/.arrow file or folder, or a hub name "
+                        "when online), tokenised with --tokenizer and packed into --ctx windows")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--heldout-frac", type=float, default=0.1)
+    p.add_argument("--corpus", type=Path, default=CORPUS, help="the built corpus (default data)")
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=512)
@@ -241,22 +267,91 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--embed-std", type=float, default=None, help="embedding init std (default: 0.02 like the rest)")
     p.add_argument("--save-dtype", default="float32")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
+                   help="autocast (default: the launcher's / accelerate config's, else no)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each core step's activations in the backward pass")
     p.add_argument("--no-wandb", action="store_true")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     a = p.parse_args(argv)
     if a.arch == "ouro" and len(a.step_weights) != a.r_max:
         p.error(f"--step-weights needs r_max={a.r_max} values")
     return a
 
 
+def load_data(a, accelerator) -> tuple[Tokens, dict]:
+    if a.dataset is not None:
+        data = from_dataset(a.dataset, a.text_column, a.tokenizer, a.ctx, a.heldout_frac,
+                            is_main=accelerator.is_main_process, wait=accelerator.wait_for_everyone)
+        return data, {"heldout": data.eval(a.ctx, a.eval_windows)}
+    if a.tokens is not None:
+        data = from_npy(a.tokens)
+        return data, {"heldout": data.eval(a.ctx, a.eval_windows)}
+    train, held, synth = from_corpus(("train", "heldout", "heldout_synthetic"), a.tokenizer, a.corpus)
+    data = Tokens(train, held, meta={"source": str(a.corpus), "train_tokens": int(len(train))})
+    return data, {"heldout": eval_windows(held, a.ctx, a.eval_windows), "synthetic": eval_windows(synth, a.ctx, a.eval_windows)}
+
+
+def identity(a, world_size: int) -> dict:
+    """What makes two launches the same run (a resume must match; --steps may grow)."""
+    keys = ("arch", "hidden", "heads", "ffn", "prelude", "core", "coda", "r_max", "vocab", "ctx", "batch", "lr",
+            "min_lr_frac", "warmup", "wd", "clip", "step_weights", "mean_depth", "depth_sigma", "min_depth", "bptt",
+            "window_loss", "seed", "embed_std")
+    data = ({"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
+            {"tokens": str(a.tokens)} if a.tokens else {"corpus": str(a.corpus)})
+    return {**{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
+
+
+def fingerprint(model) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def main(argv=None) -> None:
     a = parse(argv)
+    cli.die_with_launcher()
     if a.threads:
         torch.set_num_threads(a.threads)
     from accelerate import Accelerator
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    a.run_dir.mkdir(parents=True, exist_ok=True)
+    from accelerate.utils import DistributedType
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=a.mixed_precision)
+    cli.check_launch(accelerator, "train/pretrain.py")
+    if accelerator.distributed_type == DistributedType.FSDP or os.environ.get("ACCELERATE_USE_FSDP") == "true":
+        raise UserError("train/pretrain.py runs DDP (these models are small); FSDP is for train/shared_kv.py: "
+                        "launch with --config_file train/configs/gpu_ddp.yaml or cpu_2ranks.yaml")
+    cli.banner(accelerator, "train/pretrain.py", f"gradient_checkpointing={a.gradient_checkpointing}")
+    ident = identity(a, accelerator.num_processes)
+    summary_file = a.run_dir / "summary.json"
+    if (a.run_dir / "run.json").exists():
+        cli.claim_output(a.run_dir, ident, False, what="--run-dir")  # raises on another config
+        done = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        if done.get("steps", 0) >= a.steps and done.get("gate_steps", 0) >= a.gate_steps and \
+                (a.save_to is None or (a.save_to / "config.json").exists()):
+            accelerator.print(f"already finished: {a.run_dir} holds the finished run ({done['steps']} steps, "
+                              "summary.json); pass a new --run-dir (or a larger --steps to continue it)")
+            return
+    created = not a.run_dir.exists()
+    accelerator.wait_for_everyone()
+    try:
+        cli.claim_output(a.run_dir, ident, accelerator.is_main_process, what="--run-dir")
+        accelerator.wait_for_everyone()
+        pretrain(a, accelerator)
+    except BaseException:
+        if accelerator.is_main_process:
+            cli.remove_if_unused(a.run_dir, created)
+        raise
+
+
+def pretrain(a, accelerator) -> None:
     torch.manual_seed(a.seed)
     cfg = model_config(a)
+    data, windows = load_data(a, accelerator)
+    if int(data.train.max()) >= cfg.vocab_size:
+        raise UserError(f"the training tokens reach id {int(data.train.max())} but --vocab is {cfg.vocab_size}")
     model = init_weights(build_model(cfg), seed=a.seed, std=0.02).to(accelerator.device)
     if a.embed_std is not None:
         # Ouro adds each sandwich-normed branch (unit RMS) to the residual stream: an embedding of
@@ -266,27 +361,20 @@ def main(argv=None) -> None:
             emb.weight.normal_(0.0, a.embed_std, generator=torch.Generator().manual_seed(a.seed + 1))
     for n, p in model.named_parameters():
         p.requires_grad_("exit_gate" not in n)  # the gate is stage II's
-    if a.tokens is not None:
-        ids = np.load(a.tokens).astype(np.int64)
-        train_tok, held = ids[: len(ids) * 9 // 10], ids[len(ids) * 9 // 10:]
-        windows = {"heldout": eval_windows(held, a.ctx, a.eval_windows)}
-    else:
-        train_tok = load_tokens("train", a.tokenizer)
-        held = load_tokens("heldout", a.tokenizer)
-        windows = {"heldout": eval_windows(held, a.ctx, a.eval_windows),
-                   "synthetic": eval_windows(load_tokens("heldout_synthetic", a.tokenizer), a.ctx, a.eval_windows)}
     hist = History(a.run_dir / "history.json")
     wb = init_wandb(a.run_dir, "looplm-pretrain", vars(a) | {"params": sum(p.numel() for p in model.parameters())},
                     enabled=not a.no_wandb and accelerator.is_main_process)
     accelerator.print(f"{cfg.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
-                      f"{len(train_tok)} train tokens")
-    stage1(a, accelerator, model, train_tok, windows, hist, wb)
+                      f"{data.train.size} train tokens")
+    stage1(a, accelerator, model, data, windows, hist, wb)
+    prints = accelerator.gather_for_metrics([fingerprint(model)], use_gather_object=True)
     if not accelerator.is_main_process:
         return
     model = accelerator.unwrap_model(model)
     s1 = save_pretrained(model, a.run_dir / "stage1", dtype=a.save_dtype)
-    val = eval_windows(held[: len(held) // 2], a.ctx)
-    choice = stage2(a, model, train_tok, {"val": val}, hist, wb)
+    held = data.heldout if not data.packed else data.heldout.reshape(-1)
+    val = eval_windows(held[: len(held) // 2], a.ctx) if len(held) // 2 > a.ctx else eval_windows(held, a.ctx)
+    choice = stage2(a, model, data, {"val": val}, hist, wb)
     q = choice["chosen"]["threshold"]
     print(json.dumps({"threshold_choice": choice["chosen"], "full_depth_ppl": choice["full_depth_ppl"]}))
     (a.run_dir / "threshold_choice.json").write_text(json.dumps(choice, indent=2))
@@ -296,10 +384,14 @@ def main(argv=None) -> None:
         save_pretrained(model, a.save_to, dtype=a.save_dtype, tokenizer=tok)
         shutil.copy(a.run_dir / "history.json", a.save_to / "history.json")
         print(f"saved {a.save_to} (stage I folder: {s1})")
+    summary = {"steps": a.steps, "gate_steps": a.gate_steps, "stage1_rank_fingerprints": prints,
+               "world_size": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
+               "mixed_precision": accelerator.mixed_precision, "gradient_checkpointing": a.gradient_checkpointing,
+               "threshold": q, "data": {k: v for k, v in data.meta.items() if k != "key"}}
+    (a.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if wb is not None:
         wb.summary.update({"threshold": q, **{k: v for k, v in choice["chosen"].items() if not isinstance(v, list)}})
         wb.finish()
 
-
 if __name__ == "__main__":
-    main()
+    cli.run(main)

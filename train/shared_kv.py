@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -401,8 +402,11 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         q, grid = choose_threshold(model, val, a)
         cfg_kw["exit_threshold"] = q
         summary.update(threshold_grid=grid, chosen_threshold=q)
-    model.cfg = replace(model.cfg, **cfg_kw, extra={**model.cfg.extra, "exit_lookahead": a.lookahead,
-                                                   "kv_layout": a.layout})
+    if {"exit_lookahead", "kv_layout"} <= {f.name for f in dataclasses.fields(model.cfg)}:
+        model.cfg = replace(model.cfg, **cfg_kw, exit_lookahead=a.lookahead, kv_layout=a.layout)
+    else:  # an older LoopConfig: the keys ride in `extra`
+        model.cfg = replace(model.cfg, **cfg_kw, extra={**model.cfg.extra, "exit_lookahead": a.lookahead,
+                                                       "kv_layout": a.layout})
     save_pretrained(model, a.output, dtype=a.save_dtype, tokenizer=load_tokenizer(a.model))
     (a.output / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("threshold_grid", "first_batch_rank0")}))
