@@ -3,7 +3,8 @@ parent-death guard, the start banner, and the output-folder contract (reuse / fi
 
 - `run(main)`: a `UserError` (or any exception) prints `error: <message>` on one line and exits
   non-zero; the traceback only with `--debug` or env `LOOPLM_DEBUG=1`. Under a multi-rank launch
-  only rank 0 prints (the others exit with the same code quietly).
+  only rank 0 prints a user mistake (the others exit with the same code quietly, a little later);
+  other failures are printed by each rank that meets them.
 - `check_launch(acc)`: `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate's
   simple launcher ignores --num_processes; it only sets MASTER_ADDR/MASTER_PORT). The launcher's
   command line (/proc/PPID/cmdline) and config file say how many ranks were asked for; fewer
@@ -58,14 +59,20 @@ def run(main: Callable[[list[str] | None], object], argv: list[str] | None = Non
     except BaseException as e:  # noqa: BLE001 - the point is to catch everything
         if debug:
             traceback.print_exc()
-        code = 2 if isinstance(e, UserError) else 1
+        user = isinstance(e, UserError)
+        msg = str(e).strip().replace("\n", " ") or type(e).__name__
+        if not user:
+            msg = f"{type(e).__name__}: {msg}" + ("" if debug else " (traceback: --debug or LOOPLM_DEBUG=1)")
         if rank() == 0:
-            msg = str(e).strip().replace("\n", " ") or type(e).__name__
-            if not isinstance(e, UserError):
-                msg = f"{type(e).__name__}: {msg}" + ("" if debug else " (traceback: --debug or LOOPLM_DEBUG=1)")
             print(f"error: {msg}", file=sys.stderr, flush=True)
+        elif not user:  # a rank-specific failure: say which rank
+            print(f"error: [rank {rank()}] {msg}", file=sys.stderr, flush=True)
+        else:
+            # every rank meets a user mistake alike and rank 0 reports it; give it time to, before
+            # the launcher sees this rank fail and terminates the others
+            time.sleep(3)
         sys.stdout.flush()
-        os._exit(code)  # no atexit hooks: a half-started process group must not hang the exit
+        os._exit(2 if user else 1)  # no atexit hooks: a half-started process group must not hang the exit
 
 
 # ------------------------------------------------------------------------------ the launcher
