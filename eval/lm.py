@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,10 @@ from lm_eval.evaluator import simple_evaluate as _lm_eval_simple_evaluate
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from infer import LLM, SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm import LLM
+from infer.engine.sampling import SamplingParams
+from looplm.errors import ParamError
 from looplm.io import load_tokenizer
 from looplm.model import LoopedLM
 
@@ -52,23 +56,37 @@ def task_manager(include_defaults: bool = False, extra_paths: list[str | Path] |
     return TaskManager(include_path=[str(TASKS_DIR), *map(str, extra_paths or [])], include_defaults=include_defaults)
 
 
+def engine_settings(args: dict[str, Any]) -> dict[str, Any]:
+    """The EngineConfig fields among lm-eval model_args, cast to their field types (lm-eval passes
+    strings or its own parse of them); settings left out stay None (the checkpoint decides)."""
+    cast = {"bool": _bool, "int": int, "float": float, "str": str}
+    out = {}
+    for f in fields(EngineConfig):
+        if f.name in args:
+            out[f.name] = _opt(cast[f.type.split(" | ")[0]], args[f.name])
+    return {k: v for k, v in out.items() if v is not None}
+
+
 @register_model("looped")
 class LoopedEvalLM(TemplateLM):
-    def __init__(self, pretrained: str | LoopedLM, exit_threshold: float | None = None, r_min: int | None = None,
-                 r_max: int | None = None, lookahead: bool = False, kv_layout: str = "last_exited",
-                 policy: str = "cdb", dtype: str = "float32", device: str = "cpu", batch_size: int | str = 32,
-                 max_batch_size: int | None = None, refill: bool = True, min_coda_batch: int = 1,
-                 full_depth: bool = False, exit_criterion: str | None = None, tokenizer=None,
-                 max_gen_toks: int = 256, add_bos_token: bool = False, **engine_kw):
+    """model_args: `pretrained` (folder or LoopedLM), `dtype`, `device`, `r_max`, `tokenizer`,
+    `batch_size` (the engine's max_batch_size), `max_gen_toks`, `add_bos_token`, and any EngineConfig
+    field (policy, kv_layout, exit_threshold, r_min, lookahead, ...; unset: the checkpoint's)."""
+
+    def __init__(self, pretrained: str | LoopedLM, r_max: int | None = None, dtype: str = "float32",
+                 device: str = "cpu", batch_size: int | str = 32, max_batch_size: int | None = None,
+                 tokenizer=None, max_gen_toks: int = 256, add_bos_token: bool = False, **model_args):
         super().__init__()
         bs = 32 if str(batch_size).startswith("auto") else int(batch_size)
         if str(batch_size).startswith("auto") and max_batch_size:
             bs = int(max_batch_size)
-        self.settings = dict(exit_threshold=_opt(float, exit_threshold), r_min=_opt(int, r_min),
-                             r_max=_opt(int, r_max), lookahead=_bool(lookahead), kv_layout=str(kv_layout),
-                             policy=str(policy), full_depth=_bool(full_depth),
-                             exit_criterion=_opt(str, exit_criterion))
-        s = self.settings
+        settings = engine_settings(model_args)
+        unknown = sorted(set(model_args) - set(EngineConfig.field_names()))
+        if unknown:
+            raise ParamError(unknown[0], f"unknown model_args {unknown}; known: pretrained, r_max, dtype, device, "
+                                         f"batch_size, tokenizer, max_gen_toks, add_bos_token, "
+                                         f"{', '.join(EngineConfig.field_names())}")
+        r_max = _opt(int, r_max)
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's CLI default is cuda:0
             log.warning("device %s requested but CUDA is unavailable: using cpu", device)
@@ -76,16 +94,17 @@ class LoopedEvalLM(TemplateLM):
         instance = isinstance(pretrained, LoopedLM)
         # r_max: a folder is loaded with the config override (it may exceed the trained depth, as
         # Huginn's does); a model instance keeps its config and caps each request instead.
-        self.llm = LLM(pretrained, policy=s["policy"], refill=_bool(refill), min_coda_batch=int(min_coda_batch),
-                       kv_layout=s["kv_layout"], max_batch_size=bs, exit_threshold=s["exit_threshold"],
-                       r_min=s["r_min"], lookahead=s["lookahead"], dtype=str(dtype), device=device,
-                       r_max=None if instance else s["r_max"], exit_criterion=s["exit_criterion"],
-                       full_depth=s["full_depth"], tokenizer=self._tokenizer(tokenizer), **engine_kw)
+        self.llm = LLM(pretrained, dtype=str(dtype), device=device, r_max=None if instance else r_max,
+                       tokenizer=self._tokenizer(tokenizer), **{"max_batch_size": bs, **settings})
+        c = self.llm.config
+        self.settings = dict(exit_threshold=c.exit_threshold, r_min=c.r_min, r_max=r_max, lookahead=c.lookahead,
+                             kv_layout=c.kv_layout, policy=c.policy, full_depth=c.exits_disabled,
+                             exit_criterion=c.exit_criterion)
         self.tokenizer = self.llm.tokenizer
         if self.tokenizer is None:
             raise ValueError(f"{pretrained!r} has no tokenizer: pass model_args tokenizer=<folder>")
         self.model = self.llm.model
-        self._r_max_req = s["r_max"] if instance else None
+        self._r_max_req = r_max if instance else None
         self.max_length = self.model.cfg.max_position
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _bool(add_bos_token)

@@ -107,7 +107,7 @@ def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager) -> di
 
 
 def bench_point(pretrained, point: dict, cfg: dict) -> dict[str, float]:
-    from infer import bench
+    from infer.bench import offline as bench
 
     kw = {k: point[k] for k in SETTINGS if k != "policy" and point.get(k) is not None}
     scale = cfg["bench_scale"] if cfg["bench_scale"] == "auto" else float(cfg["bench_scale"])
@@ -154,7 +154,7 @@ def write_table(rows: list[dict], out: Path) -> None:
 def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | None = None,
               model=None, tokenizer=None) -> list[dict]:
     """Execute the sweep file's grid locally; returns the rows (also written to out/)."""
-    from infer.llm import load_model
+    from infer.engine.llm import load_model
 
     from eval.lm import LoopedEvalLM, task_manager
 
@@ -243,7 +243,7 @@ def run_agent_point(flags: list[str], out: Path) -> dict:
     the sweep's config, so metrics land in the sweep."""
     import wandb
 
-    from infer.llm import load_model
+    from infer.engine.llm import load_model
 
     from eval.lm import task_manager
 

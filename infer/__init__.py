@@ -1,8 +1,11 @@
-"""The Continuous Depth Batching inference engine: `from infer import LLM, SamplingParams`."""
+"""The Continuous Depth Batching inference engine: `from infer import LLM, SamplingParams`.
+
+Subpackages: `engine/` (the core: scheduler, runner, stages, reference decoder), `serving/` (the
+OpenAI-compatible server), `bench/` (benchmarks, bounds, latency model, simulator)."""
 import importlib
 
-_EXPORTS = {"LLM": "llm", "SamplingParams": "sampling", "LLMEngine": "engine", "EngineConfig": "engine",
-            "RequestOutput": "engine"}
+_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling", "LLMEngine": "engine.llm_engine",
+            "EngineConfig": "engine.config", "RequestOutput": "engine.llm_engine"}
 __all__ = list(_EXPORTS)
 
 

@@ -4,7 +4,7 @@ Storage is addressed by *rows*: one row per token position of a sequence, handed
 caller's allocator (the engine's block manager, or the reference decoder's range). Row
 `num_rows` is a scratch row: padded batch items write there and nobody reads it, so shapes stay
 static. Non-looped layers (prelude, coda) keep one slot per row; how the core layers map
-`(loop step, row)` to a slot is what a layout decides.
+`(loop step, row)` to a slot is what a layout decides: `depth_slots(cfg)` slots per row.
 """
 from __future__ import annotations
 
@@ -15,28 +15,39 @@ from looplm.config import LoopConfig
 
 class KVLayout:
     name = "base"
-    core_depth_slots = 1  # slots per row per core layer
+    disables_exits = False  # a layout for runs where every token runs every loop step
+
+    @classmethod
+    def depth_slots(cls, cfg: LoopConfig) -> int:
+        """Slots per row per core layer."""
+        return 1
+
+    @classmethod
+    def slots_per_row(cls, cfg: LoopConfig) -> int:
+        """K/V slots (one per attention layer and depth slot) that one token position occupies."""
+        return cfg.n_prelude + cfg.n_coda + cfg.n_core * cls.depth_slots(cfg)
+
+    @classmethod
+    def bytes_per_row(cls, cfg: LoopConfig, dtype: torch.dtype) -> int:
+        per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        return per_slot * cls.slots_per_row(cfg)
 
     def __init__(self, cfg: LoopConfig, num_rows: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         if num_rows < 1:
             raise ValueError(f"a KV layout needs at least one row, got {num_rows}")
         self.cfg, self.num_rows = cfg, num_rows
         self.scratch_row = num_rows
+        self.slots = self.depth_slots(cfg)
         R, KV, D = num_rows + 1, cfg.num_kv_heads, cfg.head_dim
         n_plain = cfg.n_prelude + cfg.n_coda
         # [layer, row, kv_head, head_dim] and [layer, depth_slot * rows, kv_head, head_dim]
         self.k_plain = torch.zeros(n_plain, R, KV, D, dtype=dtype, device=device)
         self.v_plain = torch.zeros_like(self.k_plain)
-        self.k_core = torch.zeros(cfg.n_core, self.core_depth_slots * R, KV, D, dtype=dtype, device=device)
+        self.k_core = torch.zeros(cfg.n_core, self.slots * R, KV, D, dtype=dtype, device=device)
         self.v_core = torch.zeros_like(self.k_core)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_plain, self.v_plain, self.k_core, self.v_core))
-
-    @classmethod
-    def bytes_per_row(cls, cfg: LoopConfig, dtype: torch.dtype) -> int:
-        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-        return per_layer * (cfg.n_prelude + cfg.n_coda + cfg.n_core * cls.core_depth_slots)
 
     def cache(self, stage: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat K and V storage [slots, kv_heads, head_dim] of one layer."""
@@ -48,13 +59,9 @@ class KVLayout:
     def index(self, stage: str, step: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Flat slot index of `rows` for a token at loop `step` (1-based; ignored outside the core).
         `step` broadcasts against `rows`."""
-        if stage != "core" or self.core_depth_slots == 1:
+        if stage != "core" or self.slots == 1:
             return rows
         return (step - 1) * (self.num_rows + 1) + rows
 
     def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
         """Called once a decode token has left the loop at `depths` (its rows and exit depths)."""
-
-    def reset(self) -> None:
-        for t in (self.k_plain, self.v_plain, self.k_core, self.v_core):
-            t.zero_()

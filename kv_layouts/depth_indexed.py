@@ -15,14 +15,9 @@ from .base import KVLayout
 class DepthIndexedKV(KVLayout):
     name = "last_exited"
 
-    def __init__(self, cfg, num_rows, dtype, device="cpu"):
-        self.core_depth_slots = cfg.r_max
-        super().__init__(cfg, num_rows, dtype, device)
-
     @classmethod
-    def bytes_per_row(cls, cfg, dtype):
-        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-        return per_layer * (cfg.n_prelude + cfg.n_coda + cfg.n_core * cfg.r_max)
+    def depth_slots(cls, cfg) -> int:
+        return cfg.r_max
 
     def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
         r_max, R = self.cfg.r_max, self.num_rows + 1
@@ -40,3 +35,4 @@ class DepthIndexedKV(KVLayout):
 
 class FullDepthKV(DepthIndexedKV):
     name = "full_depth"
+    disables_exits = True

@@ -11,4 +11,3 @@ from .base import KVLayout
 
 class SharedKV(KVLayout):
     name = "shared"
-    core_depth_slots = 1

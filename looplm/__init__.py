@@ -8,7 +8,8 @@ _EXPORTS = {
     "LoopConfig": "config", "ExitPolicy": "policy", "ExitTracker": "policy", "LoopedLM": "model",
     "LoopOutput": "model", "build_model": "io", "load_pretrained": "io", "load_tokenizer": "io",
     "save_pretrained": "io", "resolve_dtype": "io", "PRESETS": "presets", "preset_config": "presets",
-    "tiny_model": "presets",
+    "tiny_model": "presets", "PAPER_MODELS": "presets", "paper_config": "presets", "paper_model": "presets",
+    "ParamError": "errors",
 }
 __all__ = list(_EXPORTS)
 

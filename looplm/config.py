@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .errors import ParamError
 
 ARCHS = ("ouro", "huginn")
 MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "huginn"}
@@ -41,6 +43,8 @@ class LoopConfig:
     exit_criterion: str = "none"
     exit_threshold: float | None = None
     r_min: int = 1
+    kv_layout: str | None = None  # the KV layout the checkpoint was adapted to (train/shared_kv.py)
+    exit_lookahead: bool | None = None  # its exit gate was trained for lookahead
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -69,8 +73,7 @@ class LoopConfig:
             raise ValueError(f"unknown exit_criterion {self.exit_criterion!r}; supported: {CRITERIA}")
         if self.exit_criterion in ("ouro_gate", "learned") and not self.exit_gate:
             raise ValueError(f"exit_criterion {self.exit_criterion!r} needs a gate head (exit_gate=true)")
-        if not 1 <= self.r_min <= self.r_max:
-            raise ValueError(f"r_min={self.r_min} must be in [1, r_max={self.r_max}]")
+        check_depths(self.r_min, self.r_max)
 
     @property
     def num_loop_layers(self) -> int:
@@ -107,6 +110,7 @@ class LoopConfig:
     def to_dict(self) -> dict[str, Any]:
         ours = {"exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
                 "r_min": self.r_min, "exit_gate": self.exit_gate}
+        ours.update({k: getattr(self, k) for k in ("kv_layout", "exit_lookahead") if getattr(self, k) is not None})
         if self.arch == "ouro":
             d = {
                 "model_type": "ouro", "architectures": ["OuroForCausalLM"],
@@ -144,7 +148,8 @@ class LoopConfig:
 
 
 def _ours(d: dict[str, Any]) -> dict[str, Any]:
-    out = {k: d[k] for k in ("exit_criterion", "exit_threshold", "r_min", "exit_gate") if k in d}
+    out = {k: d[k] for k in ("exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead")
+           if k in d}
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = d.get(k)
         if isinstance(v, list):  # HF allows a list of eos ids; the first is the canonical one
@@ -166,8 +171,8 @@ _HUGINN_KEYS = {"model_type", "architectures", "vocab_size", "padded_vocab_size"
                 "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda", "n_layers",
                 "mean_recurrence", "norm_eps", "rope_base", "block_size", "qk_bias", "bias",
                 "tie_embeddings", "injection_type", "state_init", "init_values"}
-_OUR_KEYS = {"exit_criterion", "exit_threshold", "r_min", "exit_gate", "bos_token_id", "eos_token_id",
-             "pad_token_id", "stop_token_ids"}
+_OUR_KEYS = {"exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead",
+             "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids"}
 
 
 def _from_ouro(d: dict[str, Any]) -> LoopConfig:
@@ -223,8 +228,14 @@ def _from_huginn(d: dict[str, Any]) -> LoopConfig:
     )
 
 
-def config_fields() -> list[str]:
-    return [f.name for f in fields(LoopConfig)]
+def check_depths(r_min: int | None, r_max: int | None) -> None:
+    """The one check of a loop-depth pair (config, exit policy, request): integers with
+    1 <= r_min <= r_max; None leaves that side unchecked."""
+    for name, v in (("r_max", r_max), ("r_min", r_min)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ParamError(name, f"{name} must be an integer >= 1, got {v!r}")
+    if r_min is not None and r_max is not None and r_min > r_max:
+        raise ParamError("r_min", f"r_min={r_min} must be in [1, r_max={r_max}]")
 
 
 def replace(cfg: LoopConfig, **kw: Any) -> LoopConfig:

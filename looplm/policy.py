@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import CRITERIA, LoopConfig
+from .config import CRITERIA, LoopConfig, check_depths
+from .errors import ParamError
 
 DEFAULT_THRESHOLDS = {"kl": 1e-3, "latent_diff": 0.03, "entropy_diff": 1e-3}  # Huginn's "auto" values
 OUTPUT_CRITERIA = ("kl", "entropy_diff")  # need the coda + head at every step
@@ -34,13 +35,10 @@ class ExitPolicy:
 
     def __post_init__(self) -> None:
         if self.criterion not in CRITERIA:
-            raise ValueError(f"unknown exit criterion {self.criterion!r}; supported: {CRITERIA}")
-        if self.r_max < 1:
-            raise ValueError(f"r_max must be >= 1, got {self.r_max}")
-        if not 1 <= self.r_min <= self.r_max:
-            raise ValueError(f"r_min must be in [1, r_max={self.r_max}], got {self.r_min}")
+            raise ParamError("exit_criterion", f"unknown exit criterion {self.criterion!r}; supported: {CRITERIA}")
+        check_depths(self.r_min, self.r_max)
         if self.threshold is not None and not math.isfinite(self.threshold):
-            raise ValueError(f"exit threshold must be finite, got {self.threshold}")
+            raise ParamError("exit_threshold", f"exit threshold must be finite, got {self.threshold}")
 
     @property
     def adaptive(self) -> bool:
@@ -50,16 +48,30 @@ class ExitPolicy:
     def from_config(cls, cfg: LoopConfig, *, criterion: str | None = None, threshold: float | None = None,
                     r_min: int | None = None, r_max: int | None = None, lookahead: bool = False,
                     full_depth: bool = False) -> ExitPolicy:
-        """Config defaults with per-call overrides. `full_depth` disables exits explicitly (never a
+        """Config defaults with overrides. `full_depth` disables exits explicitly (never a
         threshold value: Ouro's bf16 gate can saturate to 1.0)."""
         crit = criterion or cfg.exit_criterion
         thr = threshold if threshold is not None else cfg.exit_threshold
         if thr is None and crit in DEFAULT_THRESHOLDS:
             thr = DEFAULT_THRESHOLDS[crit]
-        rmax = cfg.r_max if r_max is None else int(r_max)
-        if full_depth:
-            return cls("none", None, rmax, rmax, False)
-        return cls(crit, thr, int(r_min if r_min is not None else min(cfg.r_min, rmax)), rmax, bool(lookahead))
+        base = cls("none", None, cfg.r_max, cfg.r_max) if full_depth else \
+            cls(crit, thr, min(cfg.r_min, cfg.r_max), cfg.r_max, bool(lookahead))
+        return base.override(r_min=r_min, r_max=r_max)
+
+    def override(self, *, threshold: float | None = None, r_min: int | None = None, r_max: int | None = None
+                 ) -> ExitPolicy:
+        """This policy with one request's overrides (None keeps this policy's value). r_max may only
+        go down; this policy's own r_min follows a lower r_max down. Full depth stays full depth."""
+        check_depths(r_min, r_max)
+        if r_max is not None and r_max > self.r_max:
+            raise ParamError("r_max", f"r_max {r_max} exceeds the model's r_max {self.r_max}")
+        if threshold is None and r_min is None and r_max is None:
+            return self
+        rmax = self.r_max if r_max is None else r_max
+        if self.criterion == "none":  # full depth: the loop always runs to r_max
+            return ExitPolicy("none", None, rmax, rmax)
+        return ExitPolicy(self.criterion, self.threshold if threshold is None else float(threshold),
+                          min(self.r_min, rmax) if r_min is None else r_min, rmax, self.lookahead)
 
 
 def _sigmoid(x: float) -> float:
@@ -67,15 +79,16 @@ def _sigmoid(x: float) -> float:
 
 
 class ExitTracker:
-    """Exit bookkeeping of one decode token. `after_step(s, score)` is called after loop step s
-    (1-based) and says whether the token leaves the loop now."""
+    """Exit bookkeeping of one decode token: `after_step(s, score)` takes the signal computed after
+    loop step s (1-based) and may fix the exit depth (s, or s + 1 with lookahead);
+    `exits_after(s)` says whether the token leaves the loop after step s."""
 
     __slots__ = ("policy", "survival", "exit_at")
 
     def __init__(self, policy: ExitPolicy):
         self.policy = policy
         self.survival = 1.0  # ouro_gate: prod_{j<=s} (1 - lambda_j)
-        self.exit_at: int | None = None  # lookahead: the depth already decided
+        self.exit_at: int | None = None  # the exit depth, once decided
 
     def signal(self, score: float) -> bool:
         p = self.policy
@@ -91,18 +104,13 @@ class ExitTracker:
         return score < p.threshold  # kl, latent_diff, entropy_diff
 
     def after_step(self, s: int, score: float) -> bool:
+        """Take step s's signal; returns `exits_after(s)`."""
         p = self.policy
-        if self.exit_at is not None:
-            return s >= self.exit_at
-        if s >= p.r_max:
-            return True
-        sig = self.signal(score)
-        if p.lookahead:
-            if sig and s + 1 >= p.r_min:
-                self.exit_at = s + 1
-            return False
-        return sig and s >= p.r_min
+        if self.exit_at is None and s < p.r_max and self.signal(score):
+            depth = s + 1 if p.lookahead else s
+            if depth >= p.r_min:
+                self.exit_at = depth
+        return self.exits_after(s)
 
-    def leaves_after(self, s: int) -> bool:
-        """Known at the end of step s: the token does not take part in step s + 2 (lookahead)."""
-        return self.exit_at is not None and self.exit_at <= s + 1
+    def exits_after(self, s: int) -> bool:
+        return s >= self.policy.r_max or (self.exit_at is not None and s >= self.exit_at)

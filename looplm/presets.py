@@ -1,4 +1,5 @@
-"""Tiny named presets for both architectures (tests, CI, the demo fallback), and random init."""
+"""Named model shapes: tiny presets for both architectures (tests, CI, the demo fallback), the paper's
+two models at their real shapes (the simulator, GPU timing runs), and random init."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,33 @@ PRESETS: dict[str, dict] = {
                         max_position=512, qk_bias=True, tie_embeddings=True, embed_scale=8.0, exit_gate=True,
                         exit_criterion="learned", exit_threshold=0.6, eos_token_id=0),
 }
+
+
+# The CDB paper's two models at their real shapes (FACTS.md section 1), vocabulary as stored; the context
+# is capped at 4,096 (the benchmark traces fit it) and the exit policy is the simulator's stand-in.
+PAPER_MODELS: dict[str, dict] = {
+    "ouro-1.4b": dict(arch="ouro", vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_heads=16,
+                      num_kv_heads=16, head_dim=128, n_prelude=0, n_core=24, n_coda=0, r_max=4, rope_theta=1e6,
+                      max_position=4096, exit_criterion="ouro_gate", exit_threshold=0.5),
+    "huginn-3.5b": dict(arch="huginn", vocab_size=65536, hidden_size=5280, intermediate_size=17920, num_heads=55,
+                        num_kv_heads=55, head_dim=96, n_prelude=2, n_core=4, n_coda=2, r_max=16, rope_theta=50000.0,
+                        max_position=4096, qk_bias=True, tie_embeddings=True, embed_scale=72.6636,
+                        exit_gate=True, exit_criterion="learned", exit_threshold=0.5),
+}
+
+
+def paper_config(name: str, **overrides) -> LoopConfig:
+    if name not in PAPER_MODELS:
+        raise ValueError(f"unknown paper model {name!r}; available: {sorted(PAPER_MODELS)}")
+    return LoopConfig(**{**PAPER_MODELS[name], **overrides})
+
+
+def paper_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoopedLM:
+    """A paper model's shape with random weights (seed 0), built directly on `device`: GPU timing."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build_model(paper_config(name))
+    return model.to(dtype).eval()
 
 
 def preset_config(name: str, **overrides) -> LoopConfig:

@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from infer.bench import bench_workload, format_table, model_meta, modes_for, write_outputs
-    from infer.llm import load_model
+    from infer.bench.offline import bench_workload, modes_for
+    from infer.bench.report import format_table, model_meta, write_outputs
+    from infer.engine.llm import load_model
     from looplm.policy import ExitPolicy
 
     if a.threads:

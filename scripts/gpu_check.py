@@ -20,7 +20,7 @@ import torch
 
 from infer import EngineConfig, LLMEngine, SamplingParams
 from looplm import ExitPolicy, build_model, preset_config, tiny_model
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 
 def run_engine(model, cfg: EngineConfig, reqs, instrument: bool = False):

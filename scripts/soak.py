@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from infer.bench_online import (POLICY_ARGS, Result, make_prompt, one_request, run_rate, sample_lengths,
+from infer.bench.online import (POLICY_ARGS, Result, make_prompt, one_request, run_rate, sample_lengths,
                                 server_info, start_server, stop_server, summarize)
 
 MAX_DURATION = 3600.0

@@ -5,7 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from infer import bench, bounds, latency, sim, workloads
+from infer.bench import bounds, latency, sim, workloads
+from infer.engine.sequence import Stage
+from looplm.presets import paper_config
+from infer.bench import offline as bench
 from looplm.config import LoopConfig
 
 
@@ -169,9 +172,9 @@ def test_throughput_api():
 
 # ---------------------------------------------------------------------------------- simulator
 def test_sim_with_fitted_cost_reproduces_a_measured_run():
-    """The real engine on a cost model equal to the fitted one replays the measured schedule
-    (same steps, batches and exit depths) and its throughput within 10%."""
-    from infer.llm import load_model
+    """The real engine on a cost model fitted to a measured run replays that run's schedule (same
+    steps, batches, contexts and exit depths) and charges exactly the cost model for each step."""
+    from infer.engine.llm import load_model
     m, _ = load_model("huginn-tiny")
     reqs = workloads.make_requests("alpaca", 6, seed=1, scale=0.3, max_position=m.cfg.max_position, vocab_size=256)
     base = dict(max_batch_size=4, exit_threshold=0.5)
@@ -185,12 +188,16 @@ def test_sim_with_fitted_cost_reproduces_a_measured_run():
         assert s["steps"] == raw["steps"]
         assert {k: v["calls"] for k, v in s["stages"].items()} == {k: v["calls"] for k, v in raw["stages"].items()}
         assert s["exit_depths"] == raw["exit_depths"]
-        tps, sim_tps = raw["output_tokens"] / raw["seconds"], s["output_tokens"] / s["seconds"]
-        assert sim_tps == pytest.approx(tps, rel=0.10)
+        key = ("stage", "batch", "padded", "context")
+        assert [[r[k] for k in key] for r in s["trace"]] == [[r[k] for k in key] for r in raw["trace"]]
+        cost = sim.FittedCost(fits, per_step)
+        expected = sum(cost(sim.Call(Stage(r["stage"]), r["batch"], r["padded"], r["tokens"], r["context"]))
+                       for r in raw["trace"])
+        assert s["seconds"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_sim_depths_and_lookahead():
-    cfg = sim.GPU_MODELS["ouro-1.4b"]
+    cfg = paper_config("ouro-1.4b")
     probs = sim.binomial_depths(4, 2.5)
     assert sum(probs.values()) == pytest.approx(1) and sum(d * p for d, p in probs.items()) == pytest.approx(2.5)
     reqs = workloads.make_requests("alpaca", 6, seed=0, scale=0.5, max_position=cfg.max_position, vocab_size=100)
@@ -204,7 +211,7 @@ def test_sim_depths_and_lookahead():
 
 
 def test_sim_h100_roofline_orders_the_modes():
-    cfg = sim.GPU_MODELS["ouro-1.4b"]
+    cfg = paper_config("ouro-1.4b")
     reqs = workloads.make_requests("alpaca", 24, seed=0, max_position=cfg.max_position, vocab_size=100)
     depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
     blk = sim.simulate(cfg, reqs, sim.RooflineCost(cfg), depths, bench.modes_for([1]), workload="alpaca",

@@ -8,7 +8,7 @@ import torch
 from infer import EngineConfig, LLMEngine, SamplingParams
 from looplm import ExitPolicy, load_pretrained
 from looplm.io import load_tokenizer
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 FOLDERS = sorted(p.name for p in ROOT.iterdir() if (p / "config.json").exists()) if ROOT.exists() else []

@@ -6,7 +6,7 @@ import torch
 
 from infer import EngineConfig, LLMEngine, SamplingParams
 from looplm import ExitPolicy, tiny_model
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,7 +10,7 @@ import torch
 
 from infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from looplm import ExitPolicy, tiny_model
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 ARCHS = ["ouro-tiny", "huginn-tiny"]
 MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),

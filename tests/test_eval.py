@@ -15,8 +15,9 @@ import yaml
 
 from eval import lm as looped
 from eval import sweep
+from infer.engine.config import EngineConfig
+from infer.engine.reference import reference_generate
 from looplm import ExitPolicy, save_pretrained, tiny_model
-from looplm.reference import reference_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = looped.TASKS_DIR
@@ -198,7 +199,7 @@ def test_shipped_sweeps_are_valid(path):
     assert raw["method"] == "grid" and "${args}" in raw["command"]
     import inspect
     params = inspect.signature(looped.LoopedEvalLM).parameters
-    assert all(k in params for k in sweep.SETTINGS)
+    assert all(k in params or k in EngineConfig.field_names() for k in sweep.SETTINGS)
 
 
 # ---------------------------------------------------------------- task data
@@ -253,7 +254,7 @@ def test_report_drop_point_and_lookahead_cost(tmp_path):
 
 
 def test_sweep_point_passes_the_criterion_to_the_bench(monkeypatch):
-    from infer import bench
+    from infer.bench import offline as bench
     seen = {}
     monkeypatch.setattr(bench, "throughput", lambda model, **kw: seen.update(kw) or {"output_tokens_per_s": 1.0})
     cfg = {**sweep.DEFAULTS, "bench_repeats": 1}

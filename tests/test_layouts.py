@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kv_layouts import make_layout
 from looplm import ExitPolicy, ExitTracker, tiny_model
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 ARCHS = ["ouro-tiny", "huginn-tiny"]
 

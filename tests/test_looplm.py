@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from looplm import ExitPolicy, LoopConfig, load_pretrained, preset_config, save_pretrained, tiny_model
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 ARCHS = ["ouro-tiny", "huginn-tiny"]
 

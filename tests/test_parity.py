@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from looplm import ExitPolicy, load_pretrained
-from looplm.reference import reference_generate
+from infer.engine.reference import reference_generate
 
 FIX = Path(__file__).parent / "fixtures" / "parity"
 OURO, HUGINN = ["ouro_a", "ouro_b"], ["huginn_a", "huginn_b"]

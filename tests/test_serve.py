@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from infer import LLM, EngineConfig, LLMEngine, SamplingParams
-from infer.async_engine import AsyncEngine
-from infer.server import build_app
+from infer.serving.async_engine import AsyncEngine
+from infer.serving.server import build_app
 from looplm import load_pretrained, load_tokenizer, save_pretrained, tiny_model
 from train.tokenizer import save_tokenizer, train_bpe
 
@@ -391,7 +391,7 @@ def test_cli_serves_and_drains_on_sigterm():
 
 # ---------------------------------------------------------------------------- pieces without a server
 def test_chat_plain_fallback_and_end_of_turn_ids(model_dir):
-    from infer.protocol import end_of_turn_ids, render_chat
+    from infer.serving.protocol import end_of_turn_ids, render_chat
     msgs = [{"role": "user", "content": "hi"}]
     assert render_chat(msgs, None) == "user: hi\nassistant:"
     tok = load_tokenizer(model_dir)
@@ -400,7 +400,7 @@ def test_chat_plain_fallback_and_end_of_turn_ids(model_dir):
 
 
 def test_bench_online_against_server(served):
-    from infer.bench_online import arrival_gaps, run_rate, summarize, sustained_rate
+    from infer.bench.online import arrival_gaps, run_rate, summarize, sustained_rate
     gaps = arrival_gaps(4000, rate=5.0, burstiness=1.0, seed=0)
     assert abs(gaps.mean() - 0.2) < 0.02 and abs(gaps.std() / gaps.mean() - 1) < 0.1  # Poisson: CV = 1
     res, dur = asyncio.run(run_rate(served[0].url, NAME, 50.0, [(5, 6), (3, 4), (9, 2)], 300, 0, 1.0, 30))

@@ -22,6 +22,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from infer.engine.block_manager import BlockManager
+from infer.engine.config import EngineConfig
+from infer.engine.llm import load_model
+from infer.engine.runner import ModelRunner
+from infer.engine.sampling import SamplingParams
+from infer.engine.scheduler import Work
+from infer.engine.sequence import Sequence, Stage
+from kv_layouts import DEFAULT_LAYOUT, LAYOUTS
+from looplm.policy import ExitPolicy
 
 
 @dataclass
@@ -91,27 +102,13 @@ def fits_to_json(fits: dict[str, StageFit], context_per_item: float | None = Non
     return out
 
 
-def fits_from_json(d: dict) -> dict[str, StageFit]:
-    keys = ("stage", "delta", "gamma", "alpha", "r2", "n", "batch_key")
-    return {s: StageFit(**{k: v[k] for k in keys if k in v}) for s, v in d.items()}
-
-
-# ---------------------------------------------------------------------------------- sweep
 def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, stages=("core",),
-          kv_layout: str = "last_exited", block_size: int = 16, pad_pow2: bool = True, progress=None,
+          kv_layout: str = DEFAULT_LAYOUT, block_size: int = EngineConfig.block_size, pad_pow2: bool = True,
+          progress=None,
           max_tokens: int | None = None, cuda_graphs: bool = False) -> list[dict]:
     """Median latency of one decode stage call over batch sizes x context lengths (tokens each
     item attends), measured on the ModelRunner directly with synthetic sequences. Points with
     batch x context > `max_tokens` are skipped (KV memory)."""
-    import torch
-
-    from looplm.policy import ExitPolicy
-
-    from .block_manager import BlockManager
-    from .runner import ModelRunner
-    from .sampling import SamplingParams
-    from .sequence import Sequence
-
     cfg = model.cfg
     bad = [c for c in contexts if not 1 <= c <= cfg.max_position]
     if bad:
@@ -132,14 +129,17 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
                          params=SamplingParams(max_tokens=1), policy=policy)
             s.output_ids = [FIRST] if ctx > 1 else []
             s.blocks, s.slot = bm.allocate(ctx)
+            s.step = 1 if stage == "core" else cfg.r_max  # a coda item exited at r_max: no last-exited fill
             seqs.append(s)
-        call = {"prelude": runner.prelude, "core": runner.core, "coda": runner.coda}[stage]
+        work = Work(Stage(stage), seqs)
         with torch.inference_mode():
-            call(seqs)  # warm-up
+            runner.run(work)  # warm-up
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                call(seqs)
+                out = runner.run(work)
+                if stage == "core":
+                    out.get()
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
                 ts.append(time.perf_counter() - t0)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's default)")
-    s.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"],
+    s.add_argument("--kv-layout", default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS),
                    help="shared needs 1/r_max of the KV memory and reads the same bytes per step")
     s.add_argument("--max-tokens", type=int, default=None, help="skip points with batch x context above this")
     s.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (the engine's GPU path)")
@@ -229,13 +229,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"latency fit of {len(trace)} steps from {a.trace} (B* at {c:.0f} context tokens per item)")
         print_fits(fits, c)
         return
-    import torch
     from tqdm.auto import tqdm
 
-    from .bench import load_any
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, _ = load_any(a.model, a.dtype, a.device)
+    model, _ = load_model(a.model, a.dtype, a.device)
     npts = sum(a.max_tokens is None or b * c <= a.max_tokens for b in a.batch_sizes for c in a.contexts) * len(a.stages)
     bar = tqdm(total=npts, desc="sweep", unit="point")
     rows = sweep(model, a.batch_sizes, a.contexts, a.repeats, tuple(a.stages), kv_layout=a.kv_layout, progress=bar,

@@ -18,9 +18,16 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
+from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
+from infer.engine.llm import load_model
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.sampling import SamplingParams
+
 from . import bounds as B
 from .latency import fit_trace, fits_to_json
-from .report import format_table, model_meta, plot, write_outputs  # noqa: F401  (re-exported)
+from .report import format_table, model_meta, write_outputs
 from .workloads import WORKLOADS, Request, describe, make_requests, mean_decode_context
 
 RESULT_FIELDS = ("output_tokens_per_s", "requests_per_s", "mean_exit_depth", "alpha", "s_dec", "s_e2e",
@@ -43,18 +50,13 @@ def _mode_kwargs(mode: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------- one run
-def make_engine(model, tokenizer, mode: dict, base: dict):
-    from .engine import EngineConfig, LLMEngine
+def make_engine(model, tokenizer, mode: dict, base: dict) -> LLMEngine:
     return LLMEngine(model, EngineConfig(**{**base, **_mode_kwargs(mode), "trace": True}), tokenizer)
 
 
 def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_trace: bool = True) -> dict:
     """Run every request through an (idle) engine; the raw measurement. The engine can be reused:
     its CUDA graphs, once captured by a first pass, are not captured again inside a timed run."""
-    import torch
-
-    from .sampling import SamplingParams
-
     eng.trace = []
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
@@ -76,7 +78,7 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     bad = [i for i, (o, r) in enumerate(zip(outs, requests)) if len(o.token_ids) != r.output_len]
     if bad:
         raise RuntimeError(f"{mode['name']}: requests {bad[:5]} produced a different number of tokens than asked")
-    return raw_from(mode, eng.trace, seconds, outs, eng.stats, keep_trace)
+    return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace)
 
 
 def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, progress=None,
@@ -85,8 +87,10 @@ def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, 
     return run_engine(make_engine(model, tokenizer, mode, base), mode, requests, progress, keep_trace)
 
 
-def raw_from(mode: dict, trace: list[dict], seconds: float, outs, stats: dict, keep_trace: bool = True) -> dict:
-    """The raw record of one run (shared with the simulator, whose trace and seconds are virtual)."""
+def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True
+             ) -> dict:
+    """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
+    `config` is the engine's resolved config."""
     stages: dict[str, dict] = {}
     for r in trace:
         s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0})
@@ -101,7 +105,7 @@ def raw_from(mode: dict, trace: list[dict], seconds: float, outs, stats: dict, k
             hist[d] = hist.get(d, 0) + 1
     ntok = sum(hist.values())
     traced = sum(r["seconds"] for r in trace)
-    return {"name": mode["name"], "mode": _mode_kwargs(mode), "seconds": seconds,
+    return {"name": mode["name"], "mode": _mode_kwargs(mode), "engine_config": config.describe(), "seconds": seconds,
             "output_tokens": sum(len(o.token_ids) for o in outs), "num_requests": len(outs),
             "mean_exit_depth": sum(d * c for d, c in hist.items()) / ntok if ntok else float("nan"),
             "decode_tokens": ntok, "exit_depth_hist": dict(sorted(hist.items())),
@@ -120,7 +124,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
     out = []
     for name, r in raws.items():
         tps = r["output_tokens"] / r["seconds"]
-        full = r["mode"].get("policy") == "cb" or r["mode"].get("full_depth")
+        full = r["engine_config"]["exits_disabled"]
         d = cfg.r_max if full or r["mean_exit_depth"] != r["mean_exit_depth"] else r["mean_exit_depth"]
         res = {"mode": name, "output_tokens_per_s": tps, "requests_per_s": r["num_requests"] / r["seconds"],
                "total_tokens_per_s": (r["output_tokens"] + sum(q.prompt_len for q in requests)) / r["seconds"],
@@ -129,7 +133,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "mean_exit_depth": d, "exit_depth_hist": r["exit_depth_hist"],
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
                "steps": r["steps"], "stages": r["stages"],
-               "settings": {**settings, **r["mode"]}}
+               "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
         if alpha_cb is not None:
             b = B.bound(cfg, d, alpha_cb, ctx)
             res.update(s_dec=b["s_dec"], s_e2e=b["s_e2e"])
@@ -179,7 +183,7 @@ def latency_bound(fits: dict, results: list[dict], raws: dict[str, dict], ctx: f
         return f.predict(b, n * ctx)
     t_cb = t("fused", nb)
     for r in results:
-        if r["mode"] == "cb" or r["settings"].get("full_depth") or r["alpha"] is None:
+        if r["engine_config"]["exits_disabled"] or r["alpha"] is None:
             continue
         sd = t_cb / (t("prelude", nb) + r["mean_exit_depth"] * t("core", nb) + t("coda", nb))
         r["s_dec_latency"] = sd
@@ -200,9 +204,6 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
     if model.device.type == "cuda":
         # one engine (KV pool, CUDA graphs) at a time; a full untimed pass captures every graph
         # (stage, padded batch, context bucket) that the timed passes replay
-        import gc
-
-        import torch
         for m in modes:
             eng = make_engine(model, tokenizer, m, base)
             if warmup:
@@ -210,7 +211,6 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
             for _ in range(repeats):
                 reps[m["name"]].append(run_engine(eng, m, reqs, progress))
             del eng
-            gc.collect()
             torch.cuda.empty_cache()
     else:
         # CPU: every engine alive, warmed up on two requests, repeats in alternating order
@@ -234,47 +234,37 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
                                          for n, r in raws.items()},
            "traces": {n: r["trace"] for n, r in raws.items()},
            "exit_depths": raws[next((m["name"] for m in modes if m["name"].startswith("cdb_refill")), modes[-1]["name"])]
-           ["exit_depths"]}
-    fd, cbr = next((r for r in results if r["mode"] == "cdb_full_depth"), None), next(
-        (r for r in results if r["mode"] == "cb"), None)
-    if fd and cbr:
-        out["full_depth_vs_cb"] = fd["output_tokens_per_s"] / cbr["output_tokens_per_s"]
+           ["exit_depths"], **headline(results)}
+    return out
+
+
+def headline(results: list[dict]) -> dict:
+    """The workload's headline figures: CDB at full depth vs CB, and the fastest adaptive CDB mode."""
+    by = {r["mode"]: r for r in results}
+    out = {}
+    if "cdb_full_depth" in by and "cb" in by:
+        out["full_depth_vs_cb"] = by["cdb_full_depth"]["output_tokens_per_s"] / by["cb"]["output_tokens_per_s"]
     cdb = [r for r in results if r["mode"].startswith("cdb_") and r["mode"] != "cdb_full_depth"]
-    if cdb and cbr:
+    if cdb and "cb" in by:
         best = max(cdb, key=lambda r: r["output_tokens_per_s"])
         out["best"] = {"mode": best["mode"], "speedup_vs_cb": best["speedup_vs_cb"],
                        "fraction_of_bound": best["fraction_of_bound"]}
     return out
 
 
-def load_any(model, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer): a checkpoint folder, a preset, a LoopedLM, or one of the paper's model
-    shapes ("ouro-1.4b", "huginn-3.5b", infer/sim.py) with random weights, for GPU timing runs."""
-    from .llm import load_model
-    from .sim import GPU_MODELS
-    if isinstance(model, str) and model in GPU_MODELS:
-        import torch
-
-        from looplm.io import build_model, resolve_dtype
-        torch.manual_seed(0)
-        with torch.device(device):
-            m = build_model(GPU_MODELS[model])
-        return m.to(resolve_dtype(dtype)).eval(), None
-    return load_model(model, dtype, device)
-
-
 # ---------------------------------------------------------------------------------- the API
-def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout="last_exited", exit_threshold=None,
-               r_min=None, lookahead=False, exit_criterion=None, workload="alpaca", num_requests=32, scale=1.0, seed=0,
+def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=None, exit_threshold=None,
+               r_min=None, lookahead=None, exit_criterion=None, workload="alpaca", num_requests=32, scale=1.0, seed=0,
                max_batch_size=32, dtype="float32", device="cpu") -> dict:
     """Offline throughput of one engine configuration on a workload (EOS ignored, one timed run
     after a warm-up on the same engine: 2 requests on CPU, all of them on CUDA). `model`: checkpoint folder, preset name or LoopedLM; `scale`
     shrinks the trace lengths ("auto": fit the model's context). Returns output_tokens_per_s,
     requests_per_s, mean_exit_depth, seconds, num_requests, output_tokens, alpha (prefill share),
     stage statistics and the settings."""
-    m, tok = load_any(model, dtype, device)
-    base = dict(kv_layout=kv_layout, max_batch_size=max_batch_size, exit_threshold=exit_threshold, r_min=r_min,
-                lookahead=lookahead, exit_criterion=exit_criterion)
+    m, tok = load_model(model, dtype, device)
+    base = {k: v for k, v in dict(kv_layout=kv_layout, max_batch_size=max_batch_size, exit_threshold=exit_threshold,
+                                  r_min=r_min, lookahead=lookahead, exit_criterion=exit_criterion).items()
+            if v is not None}
     mode = {"name": policy if policy == "cb" else f"cdb_{'refill_k%d' % min_coda_batch if refill else 'norefill'}",
             "policy": policy, "refill": refill, "min_coda_batch": min_coda_batch}
     reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_position=m.cfg.max_position,
@@ -282,7 +272,7 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
     eng = make_engine(m, tok, mode, base)
     run_engine(eng, mode, reqs if m.device.type == "cuda" else reqs[:2], keep_trace=False)  # warm-up
     raw = run_engine(eng, mode, reqs, keep_trace=False)
-    full = policy == "cb"
+    full = raw["engine_config"]["exits_disabled"]
     return {"output_tokens_per_s": raw["output_tokens"] / raw["seconds"],
             "requests_per_s": raw["num_requests"] / raw["seconds"],
             "mean_exit_depth": float(m.cfg.r_max) if full else raw["mean_exit_depth"],
@@ -291,7 +281,8 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
             "exit_depth_hist": raw["exit_depth_hist"], "stages": raw["stages"],
             "workload": describe(reqs, workload, scale, m.cfg.max_position),
             "settings": {**base, **_mode_kwargs(mode), "workload": workload, "num_requests": num_requests,
-                         "scale": scale, "seed": seed, "dtype": dtype, "device": device}}
+                         "scale": scale, "seed": seed, "dtype": dtype, "device": device},
+            "engine_config": raw["engine_config"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,33 +297,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--stat", choices=["min", "median"], default="min",
                    help="which repeat represents a mode (min: robust to other load on a shared CPU)")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared", "full_depth"])
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool in tokens (default: every slot x context)")
-    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto", help="the engine's CUDA graphs")
-    p.add_argument("--exit-threshold", type=float, default=None)
-    p.add_argument("--exit-criterion", default=None)
-    p.add_argument("--r-min", type=int, default=None)
-    p.add_argument("--lookahead", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload sampling seed")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for infer.latency fit)")
+    # the modes set policy / refill / min_coda_batch / full_depth; a CPU-sized batch by default
+    add_engine_args(p, skip=("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed"))
+    p.set_defaults(max_batch_size=32)
     a = p.parse_args(argv)
     scale = a.scale if a.scale == "auto" else float(a.scale)
-    import torch
     from tqdm.auto import tqdm
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, tok = load_any(a.model, a.dtype, a.device)
-    base = dict(kv_layout=a.kv_layout, max_batch_size=a.max_batch_size, kv_cache_tokens=a.kv_cache_tokens,
-                exit_threshold=a.exit_threshold,
-                exit_criterion=a.exit_criterion, r_min=a.r_min, lookahead=a.lookahead)
-    if a.cuda_graphs != "auto":
-        base["cuda_graphs"] = a.cuda_graphs == "on"
+    model, tok = load_model(a.model, a.dtype, a.device)
+    base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)
     bar = tqdm(total=len(a.workloads) * a.repeats * len(modes) * a.num_requests, desc="bench", unit="req")
     blocks = [bench_workload(model, tok, w, num_requests=a.num_requests, scale=scale, seed=a.seed, modes=modes,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import math
 import os
@@ -33,11 +32,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from .workloads import WORKLOADS, load_trace
+
 POLICY_ARGS = {"cb": ["--policy", "cb"], "cdb-norefill": ["--policy", "cdb", "--no-refill"],
                "cdb-refill": ["--policy", "cdb", "--refill"]}
-DATA = Path(__file__).resolve().parent / "data"  # length traces shipped with the repo (see its SOURCES.md)
-TRACES = {"alpaca": "alpaca.csv", "sharegpt": "sharegpt.csv", "arxiv": "arxiv_summarization.csv"}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -60,10 +59,7 @@ def sample_lengths(n: int, seed: int, dataset: str, ctx: int, input_len: int, ou
     rng = np.random.default_rng(seed)
     if dataset == "fixed":
         return [(input_len, output_len)] * n
-    path = Path(dataset) if Path(dataset).exists() else DATA / TRACES.get(dataset, f"{dataset}.csv")
-    with open(path) as f:
-        rows = [(int(r["prompt_tokens"]), int(r["output_tokens"])) for r in csv.DictReader(f)]
-    rows = [(p, o) for p, o in rows if p >= 4 and o >= 4]  # vLLM's ShareGPT filter, before scaling
+    rows = [(p, o) for p, o in load_trace(dataset) if p >= 4 and o >= 4]  # vLLM's ShareGPT filter, before scaling
     cap_in = max_input or ctx // 2
     out = []
     for i in rng.choice(len(rows), size=n, replace=False):
@@ -316,7 +312,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=120.0, help="hard cap per rate (sending + waiting)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--dataset", default="sharegpt",
-                   help=f"'fixed', a trace in infer/data {sorted(TRACES)}, or a CSV path")
+                   help=f"'fixed', a trace of infer/bench/data {list(WORKLOADS)}, or a CSV path")
     p.add_argument("--length-scale", type=float, default=0.25, help="multiply trace lengths (small demo models)")
     p.add_argument("--max-input", type=int, default=None, help="cap on prompt length (default: context / 2)")
     p.add_argument("--input-len", type=int, default=32, help="--dataset fixed")

@@ -23,25 +23,23 @@ from pathlib import Path
 
 import torch
 
+from infer.engine.config import EngineConfig
+from infer.engine.llm import load_model
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.runner import next_pow2
+from infer.engine.sampling import SamplingParams
+from infer.engine.scheduler import Work
+from infer.engine.sequence import Sequence, Stage
+from kv_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_class
 from looplm.config import LoopConfig
+from looplm.presets import PAPER_MODELS, paper_config
 
 from . import bounds as B
-from .bench import bounds_block, modes_for, raw_from, summarize
-from .latency import StageFit
+from .latency import StageFit, fit_trace
+from .offline import bounds_block, headline, modes_for, raw_from, summarize
 from .report import format_table, plot
-from .runner import next_pow2
 from .workloads import WORKLOADS, Request, describe, make_requests
 
-# The paper's two models at their real shapes (bf16 on one 80 GB H100). Vocabulary as stored.
-GPU_MODELS = {
-    "ouro-1.4b": LoopConfig(arch="ouro", vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_heads=16,
-                            num_kv_heads=16, head_dim=128, n_prelude=0, n_core=24, n_coda=0, r_max=4,
-                            max_position=4096, exit_criterion="ouro_gate", exit_threshold=0.5),
-    "huginn-3.5b": LoopConfig(arch="huginn", vocab_size=65536, hidden_size=5280, intermediate_size=17920, num_heads=55,
-                              num_kv_heads=55, head_dim=96, n_prelude=2, n_core=4, n_coda=2, r_max=16,
-                              max_position=4096, qk_bias=True, tie_embeddings=True, exit_gate=True,
-                              exit_criterion="learned", exit_threshold=0.5),
-}
 # Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results.md).
 ASSUMED_MEAN_DEPTH = {"ouro-1.4b": 2.5, "huginn-3.5b": 9.0}
 
@@ -49,13 +47,14 @@ ASSUMED_MEAN_DEPTH = {"ouro-1.4b": 2.5, "huginn-3.5b": 9.0}
 # ---------------------------------------------------------------------------------- cost models
 @dataclass
 class Call:
-    stage: str  # prefill | prelude | core | coda | fused | mark_exited
+    stage: Stage
     batch: int
     padded: int
     tokens: int
     context: int  # tokens read (decode: sum of the items' contexts; prefill: prompt tokens)
     context_sq: int = 0  # prefill: sum of squared prompt lengths (causal attention)
     r_max: int = 0  # fused: loop steps
+    filled: int = 0  # coda: last_exited slots filled on exit (tokens x skipped depths)
 
 
 class FittedCost:
@@ -66,16 +65,14 @@ class FittedCost:
     def __init__(self, fits: dict[str, StageFit], per_step: float = 0.0):
         self.fits, self.per_step = fits, per_step
 
-    def _stage(self, stage: str, c: Call) -> float:
-        f = self.fits[stage]
+    def _stage(self, stage: Stage, c: Call) -> float:
+        f = self.fits[stage.value]
         return f.predict(c.padded if f.batch_key == "padded" else c.batch, c.context)
 
     def __call__(self, c: Call) -> float:
-        if c.stage == "mark_exited":
-            return 0.0  # inside the traced core step
-        if c.stage == "fused" and "fused" not in self.fits:
-            return (self._stage("prelude", c) + c.r_max * self._stage("core", c) + self._stage("coda", c)
-                    + self.per_step)
+        if c.stage is Stage.FUSED and "fused" not in self.fits:
+            return (self._stage(Stage.PRELUDE, c) + c.r_max * self._stage(Stage.CORE, c) +
+                    self._stage(Stage.CODA, c) + self.per_step)
         return self._stage(c.stage, c) + self.per_step
 
 
@@ -90,7 +87,7 @@ class RooflineCost:
     peak_flops: float = 989e12  # dense bf16
     overhead: float = 20e-6  # seconds per stage call
     dtype_bytes: int = 2
-    kv_layout: str = "last_exited"
+    kv_layout: str = DEFAULT_LAYOUT
     params: dict = field(init=False)
 
     def __post_init__(self):
@@ -99,37 +96,36 @@ class RooflineCost:
     def _roof(self, nbytes: float, flops: float) -> float:
         return max(nbytes / self.bandwidth, flops / self.peak_flops)
 
-    def _decode(self, stage: str, c: Call) -> float:
+    def _decode(self, stage: Stage, c: Call) -> float:
         cfg, db = self.cfg, self.dtype_bytes
-        layers = {"prelude": cfg.n_prelude, "core": cfg.n_core, "coda": cfg.n_coda}[stage]
+        layers = {Stage.PRELUDE: cfg.n_prelude, Stage.CORE: cfg.n_core, Stage.CODA: cfg.n_coda}[stage]
         kv = B.kv_bytes_per_token(cfg, layers, db)
-        nbytes = self.params[stage] * db + c.context * kv + c.padded * kv
-        if stage == "prelude":
+        nbytes = self.params[stage.value] * db + c.context * kv + c.padded * kv
+        if stage is Stage.PRELUDE:
             nbytes += c.padded * cfg.hidden_size * db  # embedding rows
-        per_tok = B.stage_flops(cfg, 0)[stage]
+        per_tok = B.stage_flops(cfg, 0)[stage.value]
         flops = c.padded * per_tok + 4 * cfg.num_heads * cfg.head_dim * c.context * layers
         return self._roof(nbytes, flops)
 
     def __call__(self, c: Call) -> float:
         cfg, db = self.cfg, self.dtype_bytes
-        if c.stage == "mark_exited":  # last_exited: copy the exit slot's KV into the skipped slots
-            if self.kv_layout != "last_exited":
-                return 0.0
-            return c.tokens * B.kv_bytes_per_token(cfg, cfg.n_core, db) * max(0, cfg.r_max - 1) / 2 / self.bandwidth
-        if c.stage == "prefill":
+        if c.stage is Stage.PREFILL:
             f = B.stage_flops(cfg, 0)
             apps = cfg.n_prelude + cfg.n_coda + cfg.r_max * cfg.n_core  # attention-layer applications
             flops = c.tokens * (f["prelude"] + cfg.r_max * f["core"] + f["coda"] - 2 * cfg.hidden_size * cfg.vocab_size)
             flops += c.batch * 2 * cfg.hidden_size * cfg.vocab_size  # the head on the last position only
             flops += 2 * cfg.num_heads * cfg.head_dim * c.context_sq * apps  # causal QK^T + AV
-            slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * (cfg.r_max if self.kv_layout != "shared" else 1)
             nbytes = (self.params["prelude"] + cfg.r_max * self.params["core"] + self.params["coda"]) * db
-            nbytes += c.tokens * B.kv_bytes_per_token(cfg, slots, db)
+            nbytes += c.tokens * B.kv_bytes_per_token(cfg, layout_class(self.kv_layout).slots_per_row(cfg), db)
             return self._roof(nbytes, flops) + self.overhead
-        if c.stage == "fused":
-            t = self._decode("prelude", c) + c.r_max * self._decode("core", c) + self._decode("coda", c)
+        if c.stage is Stage.FUSED:
+            t = self._decode(Stage.PRELUDE, c) + c.r_max * self._decode(Stage.CORE, c) + self._decode(Stage.CODA, c)
             return t + self.overhead
-        return self._decode(c.stage, c) + self.overhead
+        t = self._decode(c.stage, c) + self.overhead
+        if c.filled and layout_class(self.kv_layout).depth_slots(cfg) > 1:
+            # last_exited: on exit, each token's exit-depth K/V is copied into its skipped slots
+            t += c.filled * B.kv_bytes_per_token(cfg, cfg.n_core, db) / self.bandwidth
+        return t
 
 
 # ---------------------------------------------------------------------------------- exit depths
@@ -153,11 +149,6 @@ def depths_from_distribution(probs: dict[int, float], requests: list[Request], s
     return out
 
 
-def rescale_depths(per_request: list[list[int]], r_from: int, r_to: int) -> list[list[int]]:
-    """Map recorded depths to another r_max by their fraction of the loop (rounded up)."""
-    return [[max(1, min(r_to, -(-d * r_to // r_from))) for d in ds] for ds in per_request]
-
-
 # ---------------------------------------------------------------------------------- the runner
 class SimModel:
     """What LLMEngine reads from a model: its config, dtype and device."""
@@ -175,7 +166,8 @@ class _Scores:
 
 
 class SimRunner:
-    """ModelRunner's interface on a virtual clock (see the module docstring)."""
+    """A `Runner` on a virtual clock (see the module docstring): ModelRunner's constructor, each
+    `run` charges the cost model's time for the stage and batch."""
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
                  cost, depths: list[list[int]], **_):
@@ -188,69 +180,39 @@ class SimRunner:
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
 
-    def _charge(self, stage: str, seqs, **kw) -> None:
-        n = len(seqs)
-        if stage == "prefill":
+    def run(self, work: Work) -> torch.Tensor | _Scores | None:
+        seqs, n = work.seqs, len(work.seqs)
+        if work.stage is Stage.PREFILL:
             lens = [len(s.prompt_ids) for s in seqs]
-            c = Call(stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
+            c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
         else:
-            c = Call(stage, n, self.padded(n), n, sum(s.num_tokens for s in seqs), **kw)
+            filled = sum(self.cfg.r_max - s.step for s in seqs) if work.stage is Stage.CODA else 0
+            c = Call(work.stage, n, self.padded(n), n, sum(s.num_tokens for s in seqs), r_max=work.r_max,
+                     filled=filled)
         t = self.cost(c)
         self.clock += t
-        if stage == "mark_exited":
-            if self.trace:
-                self.trace[-1]["seconds"] += t
-            return
-        self.trace.append({"stage": stage, "batch": n, "padded": c.padded, "tokens": c.tokens, "context": c.context,
-                           "seconds": t})
+        self.trace.append({"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens,
+                           "context": c.context, "seconds": t})
+        if work.stage is Stage.PRELUDE:
+            return None
+        if work.stage is Stage.CORE:
+            return _Scores([30.0 if self._fires(s) else -30.0 for s in seqs])
+        return torch.tensor([[0.0, 1.0]]).expand(n, 2)  # logits: every token is id 1
 
-    def _logits(self, n: int) -> torch.Tensor:
-        return torch.tensor([[0.0, 1.0]]).expand(n, 2)  # every token is id 1
-
-    def prefill(self, seqs):
-        self._charge("prefill", seqs)
-        return self._logits(len(seqs))
-
-    def prelude(self, seqs) -> None:
-        self._charge("prelude", seqs)
-
-    def _depth(self, s) -> int:
+    def _fires(self, s: Sequence) -> bool:
+        """The exit signal after this step, for a token whose recorded exit depth is d (lookahead:
+        the signal comes a step early)."""
         p = s.policy
-        d = self.depths[int(s.request_id)][len(s.output_ids)]
-        return max(p.r_min, min(p.r_max, d))
-
-    def core_async(self, seqs) -> _Scores:
-        self._charge("core", seqs)
-        out = []
-        for s in seqs:
-            step, d = s.step + 1, self._depth(s)
-            fire = step == d - 1 if s.policy.lookahead else step == d  # lookahead: the signal comes a step early
-            out.append(30.0 if fire else -30.0)
-        return _Scores(out)
-
-    def core(self, seqs) -> list[float]:
-        return self.core_async(seqs).get()
-
-    def mark_exited(self, seqs) -> None:
-        self._charge("mark_exited", seqs)
-
-    def coda(self, seqs):
-        self._charge("coda", seqs)
-        return self._logits(len(seqs))
-
-    def fused(self, seqs, r_max: int):
-        self._charge("fused", seqs, r_max=r_max)
-        return self._logits(len(seqs))
+        d = max(p.r_min, min(p.r_max, self.depths[int(s.request_id)][len(s.output_ids)]))
+        step = s.step + 1
+        return step == d - 1 if p.lookahead else step == d
 
 
 # ---------------------------------------------------------------------------------- running
 def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]], *,
-                  max_batch_size: int = 64, kv_layout: str = "last_exited", kv_cache_tokens: int | None = None,
+                  max_batch_size: int = 64, kv_layout: str = DEFAULT_LAYOUT, kv_cache_tokens: int | None = None,
                   lookahead: bool = False, max_prefill_tokens: int = 8192) -> dict:
     """One mode through the real engine on the virtual clock; the bench's raw record."""
-    from .engine import EngineConfig, LLMEngine
-    from .sampling import SamplingParams
-
     kw = {k: v for k, v in mode.items() if k != "name"}
     ecfg = EngineConfig(**kw, kv_layout=kv_layout, max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens,
                         max_prefill_tokens=max_prefill_tokens, exit_criterion="learned", exit_threshold=0.5,
@@ -261,7 +223,7 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
     while eng.has_unfinished():
         eng.step()
     run = eng.runner
-    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.stats)
+    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config)
 
 
 def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]], modes: list[dict] | None = None,
@@ -273,22 +235,14 @@ def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[i
     out = {"workload": describe(requests, workload, scale, cfg.max_position) if workload in WORKLOADS else
            {"workload": workload, "num_requests": len(requests)},
            "bounds": bounds_block(cfg, requests), "results": results,
-           "traces": {n: r["trace"] for n, r in raws.items()}}
-    by = {r["mode"]: r for r in results}
-    if "cdb_full_depth" in by and "cb" in by:
-        out["full_depth_vs_cb"] = by["cdb_full_depth"]["output_tokens_per_s"] / by["cb"]["output_tokens_per_s"]
-    cdb = [r for r in results if r["mode"].startswith("cdb_") and r["mode"] != "cdb_full_depth"]
-    if cdb and "cb" in by:
-        best = max(cdb, key=lambda r: r["output_tokens_per_s"])
-        out["best"] = {"mode": best["mode"], "speedup_vs_cb": best["speedup_vs_cb"],
-                       "fraction_of_bound": best["fraction_of_bound"]}
+           "traces": {n: r["trace"] for n, r in raws.items()}, **headline(results)}
     return out
 
 
-def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = "last_exited", memory: float = 80e9, util: float = 0.9,
+def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = DEFAULT_LAYOUT, memory: float = 80e9, util: float = 0.9,
                    dtype_bytes: int = 2) -> int:
     """KV rows that fit next to the bf16 weights in `util` of the GPU's memory."""
-    slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * (1 if kv_layout == "shared" else cfg.r_max)
+    slots = layout_class(kv_layout).slots_per_row(cfg)
     p = B.stage_params(cfg)
     weights = (p["prelude"] + p["core"] + p["coda"] + cfg.vocab_size * cfg.hidden_size) * dtype_bytes
     return int((memory * util - weights) // B.kv_bytes_per_token(cfg, slots, dtype_bytes))
@@ -298,15 +252,9 @@ def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
     """Re-run a bench's workloads (python -m infer.bench --save-trace) on the simulator with the
     latency model fitted on that bench's own step traces, pooled over every mode of a workload,
     and the recorded exit depths. Returns one block per workload with `measured_tokens_per_s`."""
-    from .bench import load_any
-    from .latency import fit_trace
-
     data = json.loads(Path(trace_file).read_text())
     src = model or data.get("model")
-    if src in GPU_MODELS:
-        cfg = GPU_MODELS[src]
-    else:
-        cfg = load_any(src)[0].cfg
+    cfg = paper_config(src) if src in PAPER_MODELS else load_model(src)[0].cfg
     blocks = []
     for w, run in data["runs"].items():
         wl = run["workload"]
@@ -318,7 +266,7 @@ def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
         modes = [{"name": n, **m} for n, m in run["modes"].items()]
         st = run["settings"]
         blk = simulate(cfg, reqs, cost, data["exit_depths"][w], modes, workload=w, scale=wl["scale_arg"],
-                       max_batch_size=st.get("max_batch_size", 32), kv_layout=st.get("kv_layout", "last_exited"),
+                       max_batch_size=st.get("max_batch_size", 32), kv_layout=st.get("kv_layout") or DEFAULT_LAYOUT,
                        kv_cache_tokens=st.get("kv_cache_tokens"), lookahead=st.get("lookahead", False))
         blk["measured_tokens_per_s"] = run["measured_tokens_per_s"]
         for r in blk["results"]:
@@ -331,7 +279,7 @@ def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="ouro-1.4b", help=f"{sorted(GPU_MODELS)} (roofline), or with --fitted the "
+    p.add_argument("--model", default="ouro-1.4b", help=f"{sorted(PAPER_MODELS)} (roofline), or with --fitted the "
                    "benchmarked model (default: the one in the trace file)")
     p.add_argument("--fitted", type=Path, default=None, help="replay a bench trace file (infer.bench --save-trace) "
                    "with the latency model fitted on it, and compare with the measured throughput")
@@ -340,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
+    p.add_argument("--kv-layout", default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS))
     p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM; H200: 4.8e12)")
     p.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s")
     p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call")
@@ -363,9 +311,9 @@ def main(argv: list[str] | None = None) -> None:
                                    indent=1, default=float))
         print(f"json: {path}")
         return
-    if a.model not in GPU_MODELS:
-        p.error(f"--model must be one of {sorted(GPU_MODELS)} without --fitted")
-    cfg = GPU_MODELS[a.model]
+    if a.model not in PAPER_MODELS:
+        p.error(f"--model must be one of {sorted(PAPER_MODELS)} without --fitted")
+    cfg = paper_config(a.model)
     mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
     probs = binomial_depths(cfg.r_max, mean)
     cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,

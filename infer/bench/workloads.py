@@ -1,5 +1,5 @@
 """Benchmark workloads: Alpaca, ShareGPT and arXiv-summarization request lists from real length
-traces (infer/data, see its SOURCES.md). Pure Python (no torch).
+traces (infer/bench/data, see its SOURCES.md). Pure Python (no torch).
 
 A request is (prompt token ids, output length). Rows are sampled from the trace by seed; `scale`
 shrinks both lengths proportionally (CPU runs), and a request that still does not fit the model's
@@ -37,10 +37,15 @@ class Request:
 
 @lru_cache(maxsize=None)
 def load_trace(workload: str) -> tuple[tuple[int, int], ...]:
-    """(prompt_tokens, output_tokens) rows of a workload's trace, in file order."""
-    if workload not in TRACES:
-        raise ValueError(f"unknown workload {workload!r}; available: {WORKLOADS}")
-    with open(DATA / TRACES[workload], newline="") as f:
+    """(prompt_tokens, output_tokens) rows of a workload's trace (or of a CSV file with those
+    columns), in file order."""
+    if workload in TRACES:
+        path = DATA / TRACES[workload]
+    elif Path(workload).is_file():
+        path = Path(workload)
+    else:
+        raise ValueError(f"unknown workload {workload!r}; available: {WORKLOADS} or a CSV path")
+    with open(path, newline="") as f:
         return tuple((int(r["prompt_tokens"]), int(r["output_tokens"])) for r in csv.DictReader(f))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .sequence import Stage
+
 
 class GraphCache:
     def __init__(self, runner):
@@ -41,9 +43,9 @@ class GraphCache:
         self.graphs[key] = (g, static, out)
         return self.graphs[key]
 
-    def run(self, stage: str, meta, r_max: int = 0):
+    def run(self, stage: Stage, meta, r_max: int = 0):
         N, nb = len(meta.slots), len(meta.bt[0])
-        key = (stage, N, nb, r_max if stage == "fused" else 0)
+        key = (stage, N, nb, r_max if stage is Stage.FUSED else 0)
         g, static, out = self.graphs.get(key) or self._capture(key)
         host = {"ids": meta.ids, "pos": meta.pos, "rows": meta.rows, "steps": meta.steps, "bt": meta.bt,
                 "ctx_len": meta.ctx_len, "slots": meta.slots}

@@ -1,4 +1,4 @@
-"""`LLM`: the offline entry point (vLLM-style)."""
+"""`LLM`: the offline entry point (vLLM-style), and `load_model` for every way to name a model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,49 +6,58 @@ from typing import Sequence as Seq
 
 import torch
 
-from looplm import PRESETS, load_pretrained, load_tokenizer, tiny_model
+from looplm import PAPER_MODELS, PRESETS, load_pretrained, load_tokenizer, paper_model, tiny_model
+from looplm.errors import ParamError
 from looplm.io import resolve_dtype
 from looplm.model import LoopedLM
 
-from .engine import EngineConfig, LLMEngine, RequestOutput
+from .config import EngineConfig
+from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
 
 def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_max: int | None = None):
-    """A checkpoint folder / hub id, a preset name (random weights: tests and demos), or a model."""
+    """(model, tokenizer or None) from a checkpoint folder / hub id, a tiny preset name (random
+    weights: tests and demos), one of the paper's model shapes ("ouro-1.4b", "huginn-3.5b": random
+    weights, GPU timing runs), or a LoopedLM."""
+    kw = {} if r_max is None else {"r_max": r_max}
     if isinstance(model, LoopedLM):
         return model.to(device=device, dtype=resolve_dtype(dtype)).eval(), None
     if isinstance(model, str) and model in PRESETS:
-        kw = {} if r_max is None else {"r_max": r_max}
         return tiny_model(model, dtype=resolve_dtype(dtype), **kw).to(device), None
-    kw = {} if r_max is None else {"r_max": r_max}
+    if isinstance(model, str) and model in PAPER_MODELS:
+        return paper_model(model, resolve_dtype(dtype), device), None
     m = load_pretrained(model, dtype=dtype, device=device, **kw)
     return m, load_tokenizer(Path(model)) if Path(model).is_dir() else None
 
 
 class LLM:
-    def __init__(self, model: str | Path | LoopedLM, policy: str = "cdb", refill: bool = True,
-                 min_coda_batch: int = 1, kv_layout: str = "last_exited", max_batch_size: int = 64,
-                 exit_threshold: float | None = None, r_min: int | None = None, lookahead: bool = False,
-                 dtype: str = "float32", device: str = "cpu", r_max: int | None = None,
-                 exit_criterion: str | None = None, full_depth: bool = False, tokenizer=None, **engine_kw):
+    """`LLM(model, **settings)`: `settings` are `EngineConfig` fields (policy, refill,
+    min_coda_batch, kv_layout, max_batch_size, exit_threshold, r_min, lookahead, ...); the ones
+    left out come from the checkpoint's config.json, then from EngineConfig's defaults. The
+    resolved settings are `llm.config`."""
+
+    def __init__(self, model: str | Path | LoopedLM, *, dtype: str = "float32", device: str = "cpu",
+                 r_max: int | None = None, tokenizer=None, **settings):
+        config = EngineConfig.from_kwargs(settings)  # unknown names fail before the model loads
         m, tok = load_model(model, dtype, device, r_max)
         self.model, self.tokenizer = m, tokenizer if tokenizer is not None else tok
-        cfg = EngineConfig(policy=policy, refill=refill, min_coda_batch=min_coda_batch, kv_layout=kv_layout,
-                           max_batch_size=max_batch_size, exit_threshold=exit_threshold, r_min=r_min,
-                           lookahead=lookahead, exit_criterion=exit_criterion, full_depth=full_depth, **engine_kw)
-        self.engine = LLMEngine(m, cfg, self.tokenizer)
+        self.engine = LLMEngine(m, config, self.tokenizer)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in input order.
-        Every request is validated before any runs: a bad one raises ValueError naming its index."""
+        Every request is validated before any runs: a bad one raises ParamError naming its index."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         ps = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(plist)
         if len(ps) != len(plist):
-            raise ValueError(f"{len(ps)} SamplingParams for {len(plist)} prompts")
+            raise ParamError("params", f"{len(ps)} SamplingParams for {len(plist)} prompts")
         eng = self.engine
         seqs = []
         try:
@@ -56,7 +65,7 @@ class LLM:
                 try:
                     seqs.append(eng.add_request(p, sp))
                 except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
+                    raise ParamError(getattr(e, "param", "prompt"), f"prompt {i}: {e}") from None
         except ValueError:
             for s in seqs:  # nothing is left half-queued
                 eng.abort(s.request_id)

@@ -2,7 +2,7 @@
 
 It implements BLUEPRINT sections 2-3 directly: the prompt is prefilled at full depth (depth-major,
 every layout), the first token comes from full depth, then each decode token runs the prelude,
-core steps until the exit policy stops it (see exits.py), the KV layout's on-exit hook, and the coda.
+core steps until the exit policy stops it (looplm/policy.py), the KV layout's on-exit hook, and the coda.
 """
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_layouts import make_layout
+from kv_layouts import DEFAULT_LAYOUT, make_layout
+from looplm.model import LoopedLM
+from looplm.policy import ExitPolicy, ExitTracker
+from looplm.sampling import choose_token
 
 from . import stages
-from .exits import ExitPolicy, ExitTracker
-from .model import LoopedLM
-from .sampling import choose_token
+from .config import is_full_depth
 from .stages import TokenBatch
 
 
@@ -40,7 +41,7 @@ def decode_batch(token: int, pos: int, steps: int, device) -> TokenBatch:
 
 @torch.no_grad()
 def reference_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int, policy: ExitPolicy,
-                       kv_layout: str = "last_exited", temperature: float = 0.0, top_k: int = 0,
+                       kv_layout: str = DEFAULT_LAYOUT, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
                        forced_tokens: list[int] | None = None) -> Generation:
     """Generate up to `max_new_tokens` after `prompt_ids`. `forced_tokens` teacher-forces the
@@ -48,7 +49,7 @@ def reference_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: i
     cfg, dev = model.cfg, model.device
     if not prompt_ids:
         raise ValueError("empty prompt")
-    if kv_layout == "full_depth":
+    if is_full_depth(kv_layout=kv_layout):
         policy = ExitPolicy("none", None, policy.r_max, policy.r_max)
     L = len(prompt_ids)
     n_rows = min(L + max_new_tokens, cfg.max_position)

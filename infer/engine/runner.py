@@ -7,26 +7,41 @@ they write no real KV and are never sampled.
 
 Decode stages (prelude, core, coda, CB's fused iteration) share one metadata format, so on CUDA
 each can replay a CUDA graph captured per (stage, padded batch, context bucket) from static
-input buffers (graphs.py). The CPU path runs the same `_body` eagerly. `core_async` returns the
+input buffers (graphs.py). The CPU path runs the same `body` eagerly. A core step returns its
 exit scores as a pending host copy, which lets the engine prepare the next batch while the
 device still runs this one (the lookahead pipeline).
+
+`Runner` is what the engine needs from a runner; `ModelRunner` runs the model, the simulator's
+`SimRunner` (infer/bench/sim.py) charges a cost model instead.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from kv_layouts import make_layout
-from looplm import stages
 from looplm.exits import initial_aux
 from looplm.model import LoopedLM
-from looplm.stages import TokenBatch
 
+from . import stages
 from .block_manager import BlockManager
 from .graphs import GraphCache
-from .sequence import Sequence
+from .scheduler import Scores, Work
+from .sequence import Sequence, Stage
+from .stages import TokenBatch
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine calls on a runner: one stage per `run`. Returns the logits [B, V] of a stage
+    that emits tokens (prefill, coda, fused), the exit `Scores` of a core step, None for a prelude."""
+
+    def run(self, work: Work) -> torch.Tensor | Scores | None: ...
+
+    def padded(self, n: int) -> int: ...
 
 
 def next_pow2(n: int) -> int:
@@ -48,7 +63,7 @@ class Meta:
 
 
 class PendingScores:
-    """Exit scores of a launched core step; `get()` waits for (only) that step."""
+    """Exit scores of a launched core step (a `Scores`)."""
 
     def __init__(self, scores: torch.Tensor, n: int):
         self.n = n
@@ -61,6 +76,7 @@ class PendingScores:
             self.host, self.event = scores, None
 
     def get(self) -> list[float]:
+        """The scores; waits for (only) the step that produced them."""
         if self.event is not None:
             self.event.synchronize()
         return self.host[: self.n].tolist()
@@ -81,7 +97,11 @@ class ModelRunner:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
         self.graphs = GraphCache(self) if cuda_graphs else None
-        self._last_key, self._last, self._last_steps = None, None, None  # batch reuse (see run)
+        self._last_key, self._last, self._last_steps = None, None, None  # batch reuse (see _decode)
+        self._bodies = {Stage.PRELUDE: self._prelude_body, Stage.CORE: self._core_body, Stage.CODA: self._coda_body,
+                        Stage.FUSED: self._fused_body}
+        self._stages = {Stage.PREFILL: self._prefill, Stage.PRELUDE: self._prelude, Stage.CORE: self._core,
+                        Stage.CODA: self._coda, Stage.FUSED: self._fused}
 
     def _t(self, xs) -> torch.Tensor:
         t = torch.tensor(xs, dtype=torch.long)
@@ -121,65 +141,87 @@ class ModelRunner:
         return TokenBatch(ids=t["ids"], positions=t["pos"], rows=t["rows"], steps=t["steps"], ctx_rows=ctx_rows,
                           ctx_len=t["ctx_len"])
 
-    def body(self, stage: str, t: dict[str, torch.Tensor], r_max: int = 0, batch: TokenBatch | None = None
+    def body(self, stage: Stage, t: dict[str, torch.Tensor], r_max: int = 0, batch: TokenBatch | None = None
              ) -> torch.Tensor | None:
         """One decode stage over a padded batch, reading and writing only static buffers (so it
         can be captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
-        m, lay, slots = self.model, self.layout, t["slots"]
         batch = batch if batch is not None else self.batch_from(t)
-        if stage == "prelude":
-            state, inj = stages.prelude(m, lay, batch)
-            self.state.index_copy_(0, slots, state)
-            if self.inj is not None:
-                self.inj.index_copy_(0, slots, inj)
-            if self.aux is not None:
-                self.aux.index_copy_(0, slots, initial_aux(self.criterion, slots.shape[0], self.cfg.vocab_size,
-                                                           self.device))
-            return None
-        if stage == "core":
-            inj = self.inj[slots] if self.inj is not None else None
-            aux = self.aux[slots] if self.aux is not None else None
-            new, scores, aux = stages.core_step(m, lay, batch, self.state[slots], inj, self.criterion, aux)
-            self.state.index_copy_(0, slots, new)
-            if aux is not None:
-                self.aux.index_copy_(0, slots, aux)
-            return scores
-        if stage == "coda":
-            return stages.coda(m, lay, batch, self.state[slots])
-        if stage == "fused":  # CB: prelude + r_max core steps + coda, no scheduling in between
-            state, inj = stages.prelude(m, lay, batch)
-            rope = batch.rope(m)
-            att = stages.KVAttention(lay, batch)
-            for s in range(1, r_max + 1):
-                att.step = s
-                state = m.core_step(state, inj, rope, att)
-            att.step = None
-            return m.head(m.coda(state, rope, att))
-        raise ValueError(stage)
+        return self._bodies[stage](t["slots"], batch, r_max)
 
-    def run(self, stage: str, seqs: list[Sequence], steps: list[int] | None = None, r_max: int = 0):
+    def _prelude_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> None:
+        state, inj = stages.prelude(self.model, self.layout, batch)
+        self.state.index_copy_(0, slots, state)
+        if self.inj is not None:
+            self.inj.index_copy_(0, slots, inj)
+        if self.aux is not None:
+            self.aux.index_copy_(0, slots, initial_aux(self.criterion, slots.shape[0], self.cfg.vocab_size,
+                                                       self.device))
+
+    def _core_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> torch.Tensor:
+        inj = self.inj[slots] if self.inj is not None else None
+        aux = self.aux[slots] if self.aux is not None else None
+        new, scores, aux = stages.core_step(self.model, self.layout, batch, self.state[slots], inj, self.criterion,
+                                            aux)
+        self.state.index_copy_(0, slots, new)
+        if aux is not None:
+            self.aux.index_copy_(0, slots, aux)
+        return scores
+
+    def _coda_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> torch.Tensor:
+        return stages.coda(self.model, self.layout, batch, self.state[slots])
+
+    def _fused_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> torch.Tensor:
+        """CB: prelude + r_max core steps + coda, no scheduling in between."""
+        return stages.fused(self.model, self.layout, batch, r_max)
+
+    def _decode(self, stage: Stage, seqs: list[Sequence], steps: list[int] | None = None, r_max: int = 0):
         graphed = self.graphs is not None
         # on CUDA, eager batches use the graphs' context buckets too: same shapes, same kernels
         meta = self.meta(seqs, steps, bucket_ctx=self.device.type == "cuda")
-        with torch.inference_mode():
-            if graphed:
-                return self.graphs.run(stage, meta, r_max), meta.n
-            # Consecutive stages over the same tokens (prelude, core steps, coda of one cohort) reuse
-            # the batch tensors, its RoPE and its mask; only the loop steps change.
-            key = (tuple(s.seq_id for s in seqs), tuple(meta.pos), meta.L)
-            if key == self._last_key:
-                t, batch = self._last
-                if meta.steps != self._last_steps:
-                    t = {**t, "steps": self._t(meta.steps)}
-                    batch = dataclasses.replace(batch, steps=t["steps"])
-            else:
-                t = self.tensors(meta)
-                batch = self.batch_from(t)
-            self._last_key, self._last, self._last_steps = key, (t, batch), meta.steps
-            return self.body(stage, t, r_max, batch), meta.n
+        if graphed:
+            return self.graphs.run(stage, meta, r_max), meta.n
+        # Consecutive stages over the same tokens (prelude, core steps, coda of one cohort) reuse
+        # the batch tensors, its RoPE and its mask; only the loop steps change.
+        key = (tuple(s.seq_id for s in seqs), tuple(meta.pos), meta.L)
+        if key == self._last_key:
+            t, batch = self._last
+            if meta.steps != self._last_steps:
+                t = {**t, "steps": self._t(meta.steps)}
+                batch = dataclasses.replace(batch, steps=t["steps"])
+        else:
+            t = self.tensors(meta)
+            batch = self.batch_from(t)
+        self._last_key, self._last, self._last_steps = key, (t, batch), meta.steps
+        return self.body(stage, t, r_max, batch), meta.n
 
     # ------------------------------------------------------------------ stages
     @torch.inference_mode()
+    def run(self, work: Work) -> torch.Tensor | PendingScores | None:
+        return self._stages[work.stage](work)
+
+    def _prelude(self, work: Work) -> None:
+        self._decode(Stage.PRELUDE, work.seqs, steps=[1] * len(work.seqs))
+
+    def _core(self, work: Work) -> PendingScores:
+        """One loop step for every item, each at its own depth."""
+        scores, n = self._decode(Stage.CORE, work.seqs)
+        return PendingScores(scores, n)
+
+    def _coda(self, work: Work) -> torch.Tensor:
+        # the layout's on-exit hook (last_exited fill) first: nothing has read the skipped slots yet
+        seqs = work.seqs
+        self.layout.on_exit(self._t([self.blocks.row(s.blocks, s.position) for s in seqs]),
+                            self._t([s.step for s in seqs]))
+        logits, n = self._decode(Stage.CODA, seqs)
+        return logits[:n]
+
+    def _fused(self, work: Work) -> torch.Tensor:
+        logits, n = self._decode(Stage.FUSED, work.seqs, steps=[1] * len(work.seqs), r_max=work.r_max)
+        return logits[:n]
+
+    def _prefill(self, work: Work) -> torch.Tensor:
+        return self.prefill(work.seqs)
+
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole prompts at full depth; returns the last position's logits [B, V]."""
         bm = self.blocks
@@ -194,27 +236,3 @@ class ModelRunner:
         batch = TokenBatch(ids=self._t(ids), positions=self._t(pos), rows=self._t(rows),
                            steps=torch.ones(len(ids), dtype=torch.long, device=self.device), seq_ids=self._t(sid))
         return stages.prefill(self.model, self.layout, batch, self._t(last))
-
-    def prelude(self, seqs: list[Sequence]) -> None:
-        self.run("prelude", seqs, steps=[1] * len(seqs))
-
-    def core_async(self, seqs: list[Sequence]) -> PendingScores:
-        """Launch one loop step for every item (each at its own depth)."""
-        scores, n = self.run("core", seqs)
-        return PendingScores(scores, n)
-
-    def core(self, seqs: list[Sequence]) -> list[float]:
-        return self.core_async(seqs).get()
-
-    def mark_exited(self, seqs: list[Sequence]) -> None:
-        """The layout's on-exit hook (last_exited fill) for tokens that left the loop."""
-        rows = self._t([self.blocks.row(s.blocks, s.position) for s in seqs])
-        self.layout.on_exit(rows, self._t([s.step for s in seqs]))
-
-    def coda(self, seqs: list[Sequence]) -> torch.Tensor:
-        logits, n = self.run("coda", seqs)
-        return logits[:n]
-
-    def fused(self, seqs: list[Sequence], r_max: int) -> torch.Tensor:
-        logits, n = self.run("fused", seqs, steps=[1] * len(seqs), r_max=r_max)
-        return logits[:n]

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from looplm.config import check_depths
+from looplm.errors import ParamError
+
 
 @dataclass
 class SamplingParams:
@@ -26,8 +29,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(field_name: str, why: str) -> ValueError:
-            return ValueError(f"invalid sampling parameter {field_name}: {why}")
+        def bad(field_name: str, why: str) -> ParamError:
+            return ParamError(field_name, f"invalid sampling parameter {field_name}: {why}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
@@ -44,12 +47,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.exit_threshold is not None and not isinstance(self.exit_threshold, (int, float)):
             raise bad("exit_threshold", f"must be a number, got {self.exit_threshold!r}")
-        for name in ("r_min", "r_max"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise bad(name, f"must be a positive integer, got {v!r}")
-        if self.r_min is not None and self.r_max is not None and self.r_min > self.r_max:
-            raise bad("r_min", f"r_min={self.r_min} exceeds r_max={self.r_max}")
+        try:
+            check_depths(self.r_min, self.r_max)
+        except ParamError as e:
+            raise bad(e.param, str(e)) from None
 
 
 def find_stop(text: str, stops: list[str], start: int) -> int:

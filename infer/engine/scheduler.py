@@ -1,63 +1,61 @@
-"""The CDB scheduler: four queues and three policies behind one interface. Pure Python (no torch),
-so `sim.py` can replay it on a cost model.
+"""The CDB scheduler: four queues, three policies, and every queue transition. Pure Python (no
+torch), so the simulator (infer/bench/sim.py) replays it on a cost model.
 
 Queues (the paper's four): `waiting` (prefill), `prelude_q` (decode tokens waiting for the
 prelude), `core_q` (items at mixed depths waiting for their next core step), `coda_q` (exited
 tokens waiting for the coda). `schedule()` picks the next stage and its batch:
 - `cb`: token-level continuous batching (the baseline): prefill new requests between
-  iterations, else one fused iteration (prelude + r_max core steps + coda) over every running
-  sequence.
+  iterations, else one fused iteration (prelude + r_max core steps + coda) over the running
+  sequences that share the oldest one's r_max (requests may ask for a lower r_max).
 - `cdb`, refill=False: a cohort runs prelude, core steps until all its tokens exited (exited
   tokens leave the batch), then one coda; new requests are prefilled between cohorts.
 - `cdb`, refill=True: right after a prefill or a coda, the prelude; else the coda once at least
   `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step.
 Prefill batches hold at most `max_prefill_tokens` prompt tokens; a longer prompt is admitted
 alone (whole, never chunked: chunking would change the numbers under the shared layout).
+
+`postprocess(work, ...)` applies a stage's outcome: who moves to which queue, who finished. With
+the lookahead pipeline a core step's exit scores are read one core step late (while the next
+runs on the device); lookahead makes that exact, because the signal of step t already decides
+who exits after step t+1.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from looplm.policy import ExitTracker
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Stage
 
-POLICIES = ("cb", "cdb")
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    policy: str = "cdb"
-    refill: bool = True
-    min_coda_batch: int = 1
-    max_batch_size: int = 64
-    max_prefill_tokens: int = 2048
-    max_position: int = 2048
+class Scores(Protocol):
+    """The exit scores of a launched core step (one float per item); `get()` may wait for them."""
 
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; supported: {POLICIES}")
-        for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "max_position"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    def get(self) -> list[float]: ...
 
 
 @dataclass
 class Work:
-    stage: str  # "prefill" | "prelude" | "core" | "coda" | "fused"
+    stage: Stage
     seqs: list[Sequence]
+    r_max: int = 0  # FUSED: the loop steps of this iteration
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
-        self.cfg, self.blocks = cfg, blocks
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_position: int, pipeline: bool = False):
+        self.cfg, self.blocks, self.max_position, self.pipeline = cfg, blocks, max_position, pipeline
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []
         self.coda_q: list[Sequence] = []
-        self.last_stage: str | None = None
+        self.last_stage: Stage | None = None
+        self._pending: tuple[list[Sequence], Scores] | None = None  # pipeline: the last core step's scores
 
     # ---------------------------------------------------------------- state
     @property
@@ -72,41 +70,49 @@ class Scheduler:
                 "coda": len(self.coda_q)}
 
     def add(self, seq: Sequence) -> None:
-        seq.stage = Stage.WAITING
+        seq.stage = Stage.PREFILL
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of whichever queue holds it and release its memory (abort / finish)."""
-        for q in (self.prelude_q, self.core_q, self.coda_q):
-            if seq in q:
-                q.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of whichever queue holds it and release its memory (stop or abort)."""
+        q = {Stage.PREFILL: self.waiting, Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q,
+             Stage.CODA: self.coda_q}.get(seq.stage)
+        if q is not None and seq in q:
+            q.remove(seq)
         if seq.blocks or seq.slot >= 0:
             self.blocks.free(seq.blocks, seq.slot)
             seq.blocks, seq.slot = [], -1
-        seq.stage = Stage.FINISHED
+        seq.stage, seq.finish_reason = None, reason
 
     # ---------------------------------------------------------------- policy
     def schedule(self) -> Work | None:
         c = self.cfg
         if c.policy == "cb":
-            work = self._prefill() or (Work("fused", list(self.prelude_q)) if self.prelude_q else None)
+            work = self._prefill() or self._fused()
         elif not c.refill:
-            work = (Work("core", list(self.core_q)) if self.core_q else
-                    Work("coda", list(self.coda_q)) if self.coda_q else
-                    self._prefill() or (Work("prelude", list(self.prelude_q)) if self.prelude_q else None))
+            work = (self._take(Stage.CORE) or self._take(Stage.CODA) or self._prefill() or
+                    self._take(Stage.PRELUDE))
+        elif self.last_stage in (Stage.PREFILL, Stage.CODA) and self.prelude_q:
+            work = self._take(Stage.PRELUDE)
+        elif self.coda_q and (len(self.coda_q) >= c.min_coda_batch or not self.core_q):
+            work = self._take(Stage.CODA)
         else:
-            if self.last_stage in ("prefill", "coda") and self.prelude_q:
-                work = Work("prelude", list(self.prelude_q))
-            elif self.coda_q and (len(self.coda_q) >= c.min_coda_batch or not self.core_q):
-                work = Work("coda", list(self.coda_q))
-            else:
-                work = (self._prefill() or (Work("core", list(self.core_q)) if self.core_q else None) or
-                        (Work("prelude", list(self.prelude_q)) if self.prelude_q else None))
+            work = self._prefill() or self._take(Stage.CORE) or self._take(Stage.PRELUDE)
         if work is not None:
             self.last_stage = work.stage
         return work
+
+    def _take(self, stage: Stage) -> Work | None:
+        q = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[stage]
+        return Work(stage, list(q)) if q else None
+
+    def _fused(self) -> Work | None:
+        """CB runs one depth per iteration: the running sequences that share the r_max of the one
+        that has waited longest (round robin between groups, so none starves)."""
+        if not self.prelude_q:
+            return None
+        d = self.prelude_q[0].policy.r_max
+        return Work(Stage.FUSED, [s for s in self.prelude_q if s.policy.r_max == d], r_max=d)
 
     def _prefill(self) -> Work | None:
         batch: list[Sequence] = []
@@ -116,54 +122,66 @@ class Scheduler:
             n = len(seq.prompt_ids)
             if batch and tokens + n > self.cfg.max_prefill_tokens:
                 break
-            need = seq.reserved_tokens(self.cfg.max_position)
+            need = seq.reserved_tokens(self.max_position)
             if not self.blocks.can_allocate(need):
                 break  # FIFO: the head waits for memory, nobody overtakes it
             seq.blocks, seq.slot = self.blocks.allocate(need)
             batch.append(self.waiting.popleft())
             tokens += n
-        return Work("prefill", batch) if batch else None
+        return Work(Stage.PREFILL, batch) if batch else None
 
     # ---------------------------------------------------------------- transitions
-    def to_prelude(self, seqs: list[Sequence]) -> None:
-        """After a prefill or a coda produced their next token (and they are not finished)."""
-        for s in seqs:
-            s.stage = Stage.PRELUDE
-        self.prelude_q.extend(seqs)
+    def postprocess(self, work: Work, scores: Scores | None = None, finished: dict[int, str] | None = None) -> None:
+        """Apply a stage's outcome. CORE: its exit `scores`; stages that emit a token: `finished`
+        maps the seq_id of each sequence that stopped to its finish reason; the rest decode on."""
+        if work.stage is Stage.PRELUDE:
+            self._move(work.seqs, self.prelude_q, self.core_q, Stage.CORE)
+            for s in work.seqs:
+                s.step, s.step_scored, s.tracker = 0, 0, ExitTracker(s.policy)
+        elif work.stage is Stage.CORE:
+            self._after_core(work.seqs, scores)
+        else:
+            finished = finished or {}
+            src = {Stage.PREFILL: None, Stage.CODA: self.coda_q, Stage.FUSED: self.prelude_q}[work.stage]
+            if src is not None:
+                self._move(work.seqs, src, None, None)
+            for s in work.seqs:
+                if s.seq_id in finished:
+                    self.finish(s, finished[s.seq_id])
+            self._move([s for s in work.seqs if s.seq_id not in finished], None, self.prelude_q, Stage.PRELUDE)
 
-    def after_prelude(self, seqs: list[Sequence]) -> None:
-        ids = {id(s) for s in seqs}
-        self.prelude_q = [s for s in self.prelude_q if id(s) not in ids]
-        for s in seqs:
-            s.stage, s.step, s.step_scored, s.tracker = Stage.CORE, 0, 0, ExitTracker(s.policy)
-        self.core_q.extend(seqs)
+    def _after_core(self, seqs: list[Sequence], scores: Scores) -> None:
+        """Advance every item one step, feed the exit trackers, move the items that exit to the coda
+        queue. Synchronous: this step's scores decide now. Pipelined (lookahead): the previous core
+        step's scores are read here, and they already decide who exits after this step."""
+        if self.pipeline:
+            prev, self._pending = self._pending, (seqs, scores)
+            if prev is not None:
+                self._score(*prev)
+            for s in seqs:
+                s.step += 1
+        else:
+            for s in seqs:
+                s.step += 1
+            self._score(seqs, scores)
+        exited = [s for s in seqs if s.tracker.exits_after(s.step)]
+        self._move(exited, self.core_q, self.coda_q, Stage.CODA)
 
-    def after_core(self, seqs: list[Sequence], scores: list[float]) -> list[Sequence]:
-        """Advance every item one step; returns the items that exit now (they join the coda queue)."""
-        exited = []
-        for s, score in zip(seqs, scores):
-            s.step += 1
-            if s.tracker.after_step(s.step, score):
-                exited.append(s)
-        return self._to_coda(exited)
+    @staticmethod
+    def _score(items: list[Sequence], scores: Scores) -> None:
+        for s, x in zip(items, scores.get()):
+            if s.stage is Stage.CORE and s.step_scored < s.step:  # still looping on the step that was scored
+                s.tracker.after_step(s.step, x)
+                s.step_scored = s.step
 
-    def take_exited(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Pipelined core (lookahead): items whose exit after their current step is already known
-        (decided from the previous step's signal, or r_max) leave for the coda queue."""
-        return self._to_coda([s for s in seqs if s.step >= s.policy.r_max or
-                              (s.tracker.exit_at is not None and s.step >= s.tracker.exit_at)])
-
-    def _to_coda(self, exited: list[Sequence]) -> list[Sequence]:
-        if exited:
-            ids = {id(s) for s in exited}
-            self.core_q = [s for s in self.core_q if id(s) not in ids]
-            for s in exited:
-                s.stage = Stage.CODA
-            self.coda_q.extend(exited)
-        return exited
-
-    def after_coda(self, seqs: list[Sequence]) -> None:
-        ids = {id(s) for s in seqs}
-        self.coda_q = [s for s in self.coda_q if id(s) not in ids]
-        if self.cfg.policy == "cb":  # a fused iteration consumed the prelude queue
-            self.prelude_q = [s for s in self.prelude_q if id(s) not in ids]
+    def _move(self, seqs: list[Sequence], src: list[Sequence] | None, dst: list[Sequence] | None,
+              stage: Stage | None) -> None:
+        if not seqs:
+            return
+        if src is not None:
+            ids = {id(s) for s in seqs}
+            src[:] = [s for s in src if id(s) not in ids]
+        if dst is not None:
+            for s in seqs:
+                s.stage = stage
+            dst.extend(seqs)

@@ -1,4 +1,9 @@
-"""A request's bookkeeping as it moves through the four queues. Pure Python (no torch)."""
+"""A request's bookkeeping as it moves through the four queues, and the stage enum. Pure Python.
+
+`Stage` names both what the engine runs in one step (a prefill, a prelude, one core step, a coda,
+or CB's fused iteration) and where a running sequence waits: `seq.stage` is the stage it takes
+part in next (PREFILL = the waiting queue; CB's fused iteration consumes the PRELUDE queue).
+"""
 from __future__ import annotations
 
 import enum
@@ -11,11 +16,16 @@ from .sampling import SamplingParams
 
 
 class Stage(enum.Enum):
-    WAITING = "waiting"  # queue 1: inactive, waiting for prefill
-    PRELUDE = "prelude"  # queue 2: a decode token waiting for the prelude
-    CORE = "core"  # queue 3: in the loop, waiting for its next core step
-    CODA = "coda"  # queue 4: exited, waiting for the coda
-    FINISHED = "finished"
+    PREFILL = "prefill"  # whole prompts at full depth; queue 1 (waiting)
+    PRELUDE = "prelude"  # decode tokens -> loop state; queue 2
+    CORE = "core"  # one loop step for items at mixed depths; queue 3
+    CODA = "coda"  # exited tokens -> logits; queue 4
+    FUSED = "fused"  # CB: prelude + r_max core steps + coda in one launch
+
+    @property
+    def emits(self) -> bool:
+        """The stage ends with logits: a token is sampled for each of its sequences."""
+        return self in (Stage.PREFILL, Stage.CODA, Stage.FUSED)
 
 
 @dataclass
@@ -29,7 +39,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    stage: Stage = Stage.WAITING
+    stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
     finish_reason: str | None = None
     blocks: list[int] = field(default_factory=list)  # KV block table
     slot: int = -1  # row of the runner's per-sequence state buffers
@@ -56,12 +66,13 @@ class Sequence:
         return self.num_tokens - 1
 
     @property
-    def last_token(self) -> int:
-        return self.output_ids[-1]
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     @property
-    def finished(self) -> bool:
-        return self.stage is Stage.FINISHED
+    def started(self) -> bool:
+        """Admitted (prefilled or being prefilled): it holds KV memory and a state slot."""
+        return self.slot >= 0 or bool(self.output_ids)
 
     def reserved_tokens(self, max_position: int) -> int:
         """KV rows the request can ever use: prompt + outputs, capped by the context."""

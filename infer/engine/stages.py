@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kv_layouts import KVLayout
-
-from .exits import OUTPUT_CRITERIA, step_scores
-from .layers import Attend
-from .model import LoopedLM
+from looplm.exits import OUTPUT_CRITERIA, step_scores
+from looplm.layers import Attend
+from looplm.model import LoopedLM
 
 
 @dataclass
@@ -35,10 +34,6 @@ class TokenBatch:
     # runner that reuses a batch across consecutive core steps computes them once
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _mask: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def size(self) -> int:
-        return int(self.ids.shape[0])
 
     def rope(self, model: LoopedLM) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None:
@@ -127,3 +122,15 @@ def coda(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch.Tens
     """Exited tokens -> logits [N, V]."""
     rope = batch.rope(model)
     return model.head(model.coda(state, rope, KVAttention(layout, batch)))
+
+
+def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int) -> torch.Tensor:
+    """CB's iteration: decode tokens through prelude, `r_max` core steps and coda -> logits [N, V]."""
+    rope = batch.rope(model)
+    att = KVAttention(layout, batch)
+    state, inj = model.prelude(batch.ids, rope, att)
+    for s in range(1, r_max + 1):
+        att.step = s
+        state = model.core_step(state, inj, rope, att)
+    att.step = None
+    return model.head(model.coda(state, rope, att))

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import LLMEngine
+from looplm.errors import ParamError
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.sampling import SamplingParams
+from infer.engine.sequence import Sequence
+
 from .protocol import APIError, end_of_turn_ids, render_chat
-from .sampling import SamplingParams
-from .sequence import Sequence
 
 log = logging.getLogger("infer.serve")
 
@@ -244,11 +246,8 @@ class AsyncEngine:
         try:
             sp = SamplingParams(**params)
             self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival)
-        except ValueError as e:
-            msg = str(e)
-            param = (msg.split(":")[0].rsplit(" ", 1)[-1] if msg.startswith("invalid sampling parameter") else
-                     "max_tokens" if "KV tokens" in msg else field_)
-            raise APIError(400, msg, param) from None
+        except ParamError as e:
+            raise APIError(400, str(e), field_ if e.param == "prompt" else e.param) from None
         holdback = max((len(s) for s in sp.stop), default=1) - 1
         self._pub[rid] = _Pub(holdback=holdback)
         self.counters["prompt_tokens"] += len(ids)
@@ -293,8 +292,7 @@ class AsyncEngine:
         """After a failed step the batch's state is unknown: fail every request that had started."""
         items = []
         for rid in list(self._pub):
-            seq = self.engine.seqs.get(rid)
-            if seq is not None and seq.slot < 0 and not seq.output_ids:
+            if not self.engine.started(rid):
                 continue  # still waiting for prefill: untouched, keep it
             self.engine.abort(rid)
             d = Delta([], [], error=message)
@@ -323,8 +321,8 @@ class AsyncEngine:
         return Delta(ids, depths, text, lps, toks, s.finish_reason)
 
     def _publish_snapshot(self) -> None:
-        e, now = self.engine, time.perf_counter()
-        q = e.queue_lengths()
+        now = time.perf_counter()
+        m = self.engine.metrics()
         gen = self.counters["generation_tokens"]
         if not self._rate or now - self._rate[-1][0] >= 0.05:  # a few hundred points per window at most
             self._rate.append((now, gen))
@@ -332,11 +330,8 @@ class AsyncEngine:
             self._rate.popleft()
         t0, g0 = self._rate[0]
         self.snapshot = {  # replaced whole: readers on the event loop see one consistent dict
-            "running": e.scheduler.num_running, "waiting": q["waiting"] + sum(c[0] == "add" for c in list(self._cmds)),
-            "queues": q, "kv_usage": e.kv_usage(), "kv_free_blocks": len(e.blocks.free_blocks),
-            "kv_total_blocks": e.blocks.num_blocks, "kv_all_free": e.blocks.all_free,
-            "tokens_per_s": (gen - g0) / (now - t0) if now > t0 else 0.0, "mean_exit_depth": e.mean_exit_depth,
-            "decode_tokens": e.stats["tokens"], "stage_calls": dict(e.stats["stage_calls"]),
+            **m, "waiting": m["queues"]["waiting"] + sum(c[0] == "add" for c in list(self._cmds)),
+            "tokens_per_s": (gen - g0) / (now - t0) if now > t0 else 0.0,
             "counters": {**self.counters, "requests_finished": dict(self.counters["requests_finished"])},
             "time": now}
 

@@ -18,34 +18,24 @@ from pathlib import Path
 
 from looplm import PRESETS
 
+from infer.engine.config import add_engine_args, engine_config_from_args
+from infer.engine.llm import load_model
+from infer.engine.llm_engine import LLMEngine
+
 from .async_engine import AsyncEngine
-from .engine import EngineConfig, LLMEngine
-from .llm import load_model
 from .server import build_app
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"checkpoint folder or a preset {sorted(PRESETS)}")
     p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the folder's name)")
-    e = p.add_argument_group("engine")
-    e.add_argument("--policy", choices=["cb", "cdb"], default="cdb")
-    e.add_argument("--refill", action=argparse.BooleanOptionalAction, default=True, help="cdb: refill mode")
-    e.add_argument("--min-coda-batch", type=int, default=1)
-    e.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "full_depth", "shared"])
-    e.add_argument("--max-batch-size", type=int, default=64, help="sequences running at once")
-    e.add_argument("--max-prefill-tokens", type=int, default=2048)
-    e.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    e.add_argument("--exit-criterion", default=None)
-    e.add_argument("--exit-threshold", type=float, default=None)
-    e.add_argument("--r-min", type=int, default=None)
-    e.add_argument("--r-max", type=int, default=None, help="override the model's r_max")
-    e.add_argument("--lookahead", action="store_true")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m = p.add_argument_group("model")
+    m.add_argument("--r-max", type=int, default=None, help="override the model's r_max")
+    m.add_argument("--dtype", default="float32")
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
@@ -67,14 +57,9 @@ def make_server(a: argparse.Namespace):
     if a.threads:
         torch.set_num_threads(a.threads)
     model, tok = load_model(a.model, a.dtype, a.device, a.r_max)
-    cfg = EngineConfig(policy=a.policy, refill=a.refill, min_coda_batch=a.min_coda_batch, kv_layout=a.kv_layout,
-                       max_batch_size=a.max_batch_size, max_prefill_tokens=a.max_prefill_tokens,
-                       kv_cache_tokens=a.kv_cache_tokens, exit_criterion=a.exit_criterion,
-                       exit_threshold=a.exit_threshold, r_min=a.r_min, lookahead=a.lookahead, seed=a.seed)
-    engine = LLMEngine(model, cfg, tok)
+    engine = LLMEngine(model, engine_config_from_args(a), tok)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
-    info = {"policy": a.policy, "refill": a.refill, "kv_layout": a.kv_layout, "max_batch_size": a.max_batch_size}
-    app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes, info)
+    app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))
@@ -91,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {a.host}, reachable beyond this machine"
               + ("" if a.api_key else " without an API key"), flush=True)
-    print(f"serving {a.model} ({a.policy}{', refill' if a.policy == 'cdb' and a.refill else ''}) "
+    c = server.config.app.state.aeng.engine.config
+    print(f"serving {a.model} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, {c.kv_layout}) "
           f"on http://{host}:{port}", flush=True)
     # uvicorn re-raises the signal it shut down on; after a graceful shutdown that is a clean exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

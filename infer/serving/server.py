@@ -81,8 +81,11 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20, info: dict | None = None) -> FastAPI:
+              max_request_bytes: int = 1 << 20) -> FastAPI:
     cfg = aeng.engine.model.cfg
+    engine_cfg = aeng.engine.config.describe()  # the resolved settings (checkpoint defaults filled in)
+    info = {k: engine_cfg[k] for k in ("policy", "refill", "kv_layout", "max_batch_size", "lookahead",
+                                       "exit_criterion", "exit_threshold", "r_min", "exits_disabled")}
     created = int(time.time())
 
     @asynccontextmanager
@@ -202,7 +205,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm-cdb", "max_model_len": cfg.max_position,
                                             "vocab_size": cfg.vocab_size,
-                                            "r_max": cfg.r_max, "arch": cfg.arch}]}
+                                            "r_max": cfg.r_max, "arch": cfg.arch, "engine": engine_cfg}]}
 
     @app.get("/health")
     async def health():
@@ -212,7 +215,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(aeng, model_name, info or {}),
+        return PlainTextResponse(render_metrics(aeng, model_name, info),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

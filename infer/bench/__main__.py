@@ -1,0 +1,3 @@
+from .offline import main
+
+main()

@@ -1,0 +1,142 @@
+"""`EngineConfig`: every engine setting and its default, in one place, and how a setting left
+unset is resolved against the checkpoint.
+
+`LLM`, the lm-eval model, the server and every CLI build one of these (the CLIs generate their
+flags and choices from it); nothing else states an engine default. Settings left at None are
+filled by `resolve(model_cfg)` from the checkpoint's config.json (`kv_layout`, `exit_criterion`,
+`exit_threshold`, `r_min`, `exit_lookahead`: what `train/shared_kv.py` writes), else from the
+engine's defaults; an explicit value always wins. The engine keeps the resolved config
+(`llm.config`, the server's /v1/models and the bench JSON show it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from kv_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_class
+from looplm.config import CRITERIA, LoopConfig
+from looplm.errors import ParamError
+from looplm.policy import ExitPolicy
+
+POLICIES = ("cb", "cdb")
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    policy: str = _f("cdb", "cb (continuous batching, the baseline) or cdb")
+    refill: bool = _f(True, "cdb: interleave stages (the paper's refill) instead of running cohorts")
+    min_coda_batch: int = _f(1, "cdb refill: exits that must wait before a coda runs (the paper's K)")
+    kv_layout: str | None = _f(None, f"KV layout; default: the checkpoint's, else {DEFAULT_LAYOUT}")
+    max_batch_size: int = _f(64, "sequences running at once (= state slots)")
+    max_prefill_tokens: int = _f(2048, "prompt tokens per prefill batch (a longer prompt runs alone)")
+    kv_cache_tokens: int | None = _f(None, "KV pool size in tokens; default: every slot can fill the context")
+    kv_cache_bytes: int | None = _f(None, "KV pool size in bytes (instead of kv_cache_tokens)")
+    block_size: int = _f(16, "KV rows per block")
+    exit_criterion: str | None = _f(None, "exit criterion; default: the checkpoint's")
+    exit_threshold: float | None = _f(None, "exit threshold; default: the checkpoint's, else the criterion's")
+    r_min: int | None = _f(None, "minimum exit depth; default: the checkpoint's")
+    lookahead: bool | None = _f(None, "the exit signal after step s means 'exit after s+1'; default: the "
+                                      "checkpoint's")
+    full_depth: bool = _f(False, "disable exits (also implied by a full-depth layout and by policy cb)")
+    pad_pow2: bool = _f(True, "pad decode batches to powers of two (static shapes for CUDA graphs)")
+    cuda_graphs: bool | None = _f(None, "CUDA graphs for decode stages; default: on for CUDA devices")
+    pipeline: bool | None = _f(None, "lookahead pipeline (launch step t before reading t-1's scores); default: "
+                                     "on for CUDA with lookahead")
+    seed: int = _f(0, "seeds the generators of requests that bring none")
+    trace: bool = _f(False, "record every step (stage, batch, context, seconds) in engine.trace")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ParamError("policy", f"unknown policy {self.policy!r}; supported: {POLICIES}")
+        if self.kv_layout is not None:
+            layout_class(self.kv_layout)
+        for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ParamError(name, f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("kv_cache_tokens", "kv_cache_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ParamError(name, f"{name} must be a positive integer, got {v!r}")
+        if self.pipeline and self.lookahead is False:
+            raise ParamError("pipeline", "pipeline=True needs lookahead=True (the exit signal must come one step "
+                                         "early)")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, kw: dict) -> EngineConfig:
+        """A config from keyword arguments; an unknown name is a ParamError naming it."""
+        unknown = sorted(set(kw) - set(cls.field_names()))
+        if unknown:
+            raise ParamError(unknown[0], f"unknown engine setting {unknown[0]!r}; known: {', '.join(cls.field_names())}")
+        return cls(**kw)
+
+    def resolve(self, cfg: LoopConfig) -> EngineConfig:
+        """Fill every setting left at None from the checkpoint, then from the engine's defaults."""
+        layout = self.kv_layout or cfg.kv_layout or DEFAULT_LAYOUT
+        if layout not in LAYOUTS:
+            raise ParamError("kv_layout", f"the checkpoint's kv_layout {layout!r} is unknown; supported: "
+                                          f"{sorted(LAYOUTS)}")
+        lookahead = self.lookahead if self.lookahead is not None else bool(cfg.exit_lookahead)
+        pol = ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
+                                     r_min=self.r_min, lookahead=lookahead)
+        return dataclasses.replace(self, kv_layout=layout, exit_criterion=pol.criterion,
+                                   exit_threshold=pol.threshold, r_min=pol.r_min, lookahead=pol.lookahead)
+
+    @property
+    def exits_disabled(self) -> bool:
+        """Full depth: the one place that decides it (an explicit flag, a full-depth layout, or CB)."""
+        return is_full_depth(self.policy, self.kv_layout or DEFAULT_LAYOUT, self.full_depth)
+
+    def exit_policy(self, cfg: LoopConfig) -> ExitPolicy:
+        """The engine-wide exit policy of a resolved config."""
+        return ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
+                                      r_min=self.r_min, lookahead=bool(self.lookahead),
+                                      full_depth=self.exits_disabled)
+
+    def describe(self) -> dict:
+        """The settings as a JSON-able dict (the server's /v1/models, bench JSON)."""
+        return {**dataclasses.asdict(self), "exits_disabled": self.exits_disabled}
+
+
+def is_full_depth(policy: str = "cdb", kv_layout: str = DEFAULT_LAYOUT, full_depth: bool = False) -> bool:
+    """Whether every decode token runs all r_max loop steps."""
+    return full_depth or policy == "cb" or layout_class(kv_layout).disables_exits
+
+
+_CHOICES = {"policy": POLICIES, "kv_layout": tuple(LAYOUTS), "exit_criterion": CRITERIA}
+_TYPES = {"str": str, "int": int, "float": float}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("trace",)) -> None:
+    """Add one `--flag` per EngineConfig field (type, choices and help from the field) to a CLI;
+    unset flags stay None so that `engine_config_from_args` leaves them to EngineConfig."""
+    g = parser.add_argument_group("engine (EngineConfig; unset: the checkpoint's value, else the default shown)")
+    for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), f.type.split(" | ")[0]
+        shown = f" (default: {f.default})" if f.default is not None else ""
+        if kind == "bool":
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"] + shown)
+        else:
+            g.add_argument(flag, type=_TYPES[kind], default=None, choices=_CHOICES.get(f.name),
+                           help=f.metadata["help"] + shown)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields that parsed `add_engine_args` flags set (unset flags are left out, so
+    EngineConfig and the checkpoint decide them)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**engine_kwargs_from_args(args))
