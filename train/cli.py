@@ -50,6 +50,8 @@ def rank() -> int:
 def run(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Call main(argv); turn failures into one `error:` line and a non-zero exit code."""
     debug = debug_enabled(argv)
+    if argv is None and "--debug" in sys.argv:
+        sys.argv.remove("--debug")  # read here; scripts without a --debug flag of their own accept it too
     try:
         main(argv)
     except SystemExit:

@@ -139,4 +139,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from train.cli import run
+    run(main)

@@ -112,4 +112,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from train.cli import run
+    run(main)
