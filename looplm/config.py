@@ -175,11 +175,21 @@ _OUR_KEYS = {"exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layou
              "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids"}
 
 
+# Settings of the real configs that we do not implement: (key, the value we support). A key that is
+# absent or holds a false-y value for "off" features is fine.
+_SUPPORTED_ONLY = {"ouro": (("hidden_act", "silu"), ("rope_scaling", None)),
+                   "huginn": (("injection_type", "linear"), ("bias", False))}
+
+
+def _check_supported(arch: str, d: dict[str, Any]) -> None:
+    for key, ok in _SUPPORTED_ONLY[arch]:
+        v = d.get(key, ok)
+        if v != ok and (ok not in (None, False) or v):
+            raise ValueError(f"{arch}: only {key}={ok!r} is supported (the released model's), got {v!r}")
+
+
 def _from_ouro(d: dict[str, Any]) -> LoopConfig:
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"ouro: only hidden_act='silu' is supported, got {d['hidden_act']!r}")
-    if d.get("rope_scaling"):
-        raise ValueError("ouro: rope_scaling is not supported")
+    _check_supported("ouro", d)
     heads = int(d["num_attention_heads"])
     ours = _ours(d)
     thr = ours.pop("exit_threshold", d.get("early_exit_threshold"))
@@ -201,10 +211,7 @@ def _from_ouro(d: dict[str, Any]) -> LoopConfig:
 
 
 def _from_huginn(d: dict[str, Any]) -> LoopConfig:
-    if d.get("injection_type", "linear") != "linear":
-        raise ValueError(f"huginn: only injection_type='linear' is supported, got {d['injection_type']!r}")
-    if d.get("bias"):
-        raise ValueError("huginn: bias=true is not supported (the released model has bias=false)")
+    _check_supported("huginn", d)
     hidden = int(d["n_embd"])
     heads = int(d.get("num_attention_heads") or d["n_heads"])
     init = d.get("init_values") or {}
