@@ -56,4 +56,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from looplm.cli import run
+
+    run(main)

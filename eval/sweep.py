@@ -263,4 +263,6 @@ def run_agent_point(flags: list[str], out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from looplm.cli import run
+
+    run(main)

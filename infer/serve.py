@@ -2,4 +2,6 @@
 from infer.serving.cli import main
 
 if __name__ == "__main__":
-    main()
+    from looplm.cli import run
+
+    run(main)

@@ -6,6 +6,7 @@ formats). Every expected tensor must be present with the right shape; errors nam
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -61,9 +62,15 @@ def _tensor_files(folder: Path) -> list[Path]:
 def load_state(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in _tensor_files(folder):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                state[k] = fh.get_tensor(k)
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: listed in model.safetensors.index.json but missing")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors do not name the file
+            raise ValueError(f"{f}: not a readable safetensors file (truncated or corrupt?): "
+                             f"{type(e).__name__}: {e}") from e
     return state
 
 
@@ -72,7 +79,12 @@ def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype 
     """Load a looped LM from an HF-format folder (or a hub id when online).
     `overrides` replace config fields (e.g. r_max=16 for Huginn)."""
     folder = resolve_path(path_or_hub_id)
-    cfg = LoopConfig.from_json(folder / "config.json")
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder}: no config.json (not a checkpoint folder)")
+    try:
+        cfg = LoopConfig.from_json(folder / "config.json")
+    except ValueError as e:  # name the file unless the message already does
+        raise ValueError(str(e) if str(folder) in str(e) else f"{folder / 'config.json'}: {e}") from None
     if overrides:
         from .config import replace
         cfg = replace(cfg, **overrides)
@@ -157,6 +169,9 @@ def load_tokenizer(path: str | os.PathLike):
     """The tokenizer stored in a checkpoint folder (transformers AutoTokenizer), or None."""
     folder = Path(path)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logging.getLogger("looplm").warning(
+            "warning: %s has no tokenizer (tokenizer.json / tokenizer_config.json): text prompts, stop strings "
+            "and chat are unavailable; send token ids", folder)
         return None
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

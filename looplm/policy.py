@@ -23,6 +23,8 @@ from .errors import ParamError
 
 DEFAULT_THRESHOLDS = {"kl": 1e-3, "latent_diff": 0.03, "entropy_diff": 1e-3}  # Huginn's "auto" values
 OUTPUT_CRITERIA = ("kl", "entropy_diff")  # need the coda + head at every step
+PROBABILITY_CRITERIA = ("ouro_gate", "learned")  # threshold in [0, 1]
+DISTANCE_CRITERIA = ("kl", "latent_diff", "entropy_diff")  # threshold >= 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,14 @@ class ExitPolicy:
         check_depths(self.r_min, self.r_max)
         if self.threshold is not None and not math.isfinite(self.threshold):
             raise ParamError("exit_threshold", f"exit threshold must be finite, got {self.threshold}")
+        # the one range check (engine, LLM, lm-eval model and server all build an ExitPolicy):
+        # the gate criteria compare a probability, the others a distance
+        if self.threshold is not None and self.criterion in PROBABILITY_CRITERIA and not 0 <= self.threshold <= 1:
+            raise ParamError("exit_threshold", f"exit_threshold for the {self.criterion} criterion is a probability "
+                                               f"in [0, 1], got {self.threshold}")
+        if self.threshold is not None and self.criterion in DISTANCE_CRITERIA and self.threshold < 0:
+            raise ParamError("exit_threshold", f"exit_threshold for the {self.criterion} criterion is a distance "
+                                               f">= 0, got {self.threshold}")
 
     @property
     def adaptive(self) -> bool:

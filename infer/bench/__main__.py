@@ -1,3 +1,5 @@
+from looplm.cli import run
+
 from .offline import main
 
-main()
+run(main)

@@ -76,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {a.host}, reachable beyond this machine"
               + ("" if a.api_key else " without an API key"), flush=True)
-    c = server.config.app.state.aeng.engine.config
+    aeng = server.config.app.state.aeng
+    if aeng.tokenizer is None:
+        print("warning: this model has no tokenizer: /v1/completions takes token-id prompts only (no text, stop "
+              "strings or chat)", file=sys.stderr, flush=True)
+    c = aeng.engine.config
     print(f"serving {a.model} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, {c.kv_layout}) "
           f"on http://{host}:{port}", flush=True)
     # uvicorn re-raises the signal it shut down on; after a graceful shutdown that is a clean exit
