@@ -235,4 +235,15 @@ class ModelRunner:
             last.append(len(ids) - 1)
         batch = TokenBatch(ids=self._t(ids), positions=self._t(pos), rows=self._t(rows),
                            steps=torch.ones(len(ids), dtype=torch.long, device=self.device), seq_ids=self._t(sid))
-        return stages.prefill(self.model, self.layout, batch, self._t(last))
+        # echo / prompt log-probs: after the B last rows, every position of the prompts that ask
+        # for them (the same full-depth prefill, more rows through the head)
+        want = [(s, last[i] - len(s.prompt_ids) + 1) for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None]
+        idx = last + [j for s, a in want for j in range(a, a + len(s.prompt_ids))]
+        logits = self.prefill_body(batch, self._t(idx))
+        n = len(seqs)
+        for s, _ in want:
+            s.prompt_logits, n = logits[n:n + len(s.prompt_ids)], n + len(s.prompt_ids)
+        return logits[:len(seqs)]
+
+    def prefill_body(self, batch: TokenBatch, last: torch.Tensor) -> torch.Tensor:
+        return stages.prefill(self.model, self.layout, batch, last)

@@ -1,0 +1,158 @@
+"""Host benchmark: the CPU time the engine spends per stage when the model math costs nothing.
+
+`NoopRunner` is the real `ModelRunner` (metadata, persistent batch state, block tables, scheduler
+and engine bookkeeping, sampling, stop checks) with its kernels replaced by no-ops: the decode
+`body` returns preallocated zeros and the prefill math is skipped. What remains is the host work
+that a GPU would wait on between stages. Batches of 16 / 64 / 256 requests with contexts drawn
+from the ShareGPT trace (each request is resumed at a random point of its output: prompt + that
+many tokens are prefilled, the rest is decoded) run the CDB refill policy (prelude, core, coda)
+and CB (fused); every engine step is timed, split into the runner's part and the rest (scheduler
++ engine bookkeeping + sampling).
+
+    python -m infer.bench_host --out docs/figures/bench_host.json
+
+Also reported per decode stage: the attention rows the engine reads (`attention_rows`) against
+the real context sum, i.e. the memory traffic of decode attention relative to the ideal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.runner import ModelRunner
+from infer.engine.sampling import SamplingParams
+from infer.engine.sequence import Stage
+from looplm.presets import preset_config
+
+from .workloads import load_trace
+
+BATCHES = (16, 64, 256)
+MAX_POSITION = 4096
+
+
+class BenchModel:
+    """What the engine and the runner read from a model when no math runs: config, dtype, device.
+    The KV storage is real (tiny heads) so that the layout's indexing stays the engine's."""
+
+    def __init__(self, device: str = "cpu"):
+        # ouro-tiny's loop (0-2-0, r_max 4) with one 8-wide KV head: a KV row costs 128 bytes
+        self.cfg = preset_config("ouro-tiny", max_position=MAX_POSITION, num_kv_heads=1, head_dim=8)
+        self.dtype, self.device = torch.bfloat16, torch.device(device)
+
+
+class NoopRunner(ModelRunner):
+    """ModelRunner with no-op kernels over the real metadata path."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        N, V = self.padded(self.max_batch_size), self.cfg.vocab_size
+        self._scores = torch.zeros(N, dtype=torch.float32, device=self.device)
+        self._logits = torch.zeros(N, V, dtype=torch.float32, device=self.device)
+
+    def body(self, stage, t, r_max=0, batch=None):
+        n = t["slots"].shape[0]
+        if stage is Stage.CORE:
+            return self._scores[:n]
+        return self._logits[:n] if stage in (Stage.CODA, Stage.FUSED) else None
+
+    def batch_from(self, t):  # the pre-issue runner built ctx rows here (device work): skip it
+        from infer.engine.stages import TokenBatch
+        return TokenBatch(ids=t["ids"], positions=t["pos"], rows=t["rows"], steps=t["steps"])
+
+    def prefill_body(self, batch, last):
+        return torch.zeros(last.shape[0], self.cfg.vocab_size)
+
+
+def contexts(batch: int, seed: int, room: int) -> list[int]:
+    """Per request, the context already there: a ShareGPT prompt plus a random part of its output
+    (capped so that `room` more tokens fit the context)."""
+    rng = random.Random(f"host:{seed}:{batch}")
+    trace = [(p, o) for p, o in load_trace("sharegpt") if o >= 1]
+    return [min(p + rng.randrange(0, o), MAX_POSITION - room) for p, o in rng.sample(trace, batch)]
+
+
+def _pct(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median": statistics.median(xs), "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "n": len(xs)}
+
+
+def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: float = 0.0) -> dict:
+    """Time `steps` engine steps (after a warm-up) of one policy at one batch size."""
+    ctx = contexts(batch, seed, steps + 2)  # every request outlives the timed steps: full batches
+    cfg = EngineConfig(max_batch_size=batch, max_prefill_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
+                       **policy)
+    eng = LLMEngine(BenchModel(), cfg, runner_cls=NoopRunner)
+    rng = random.Random(seed)
+    for c in ctx:
+        eng.add_request([rng.randrange(3, 256) for _ in range(c)],
+                        SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=temperature,
+                                       seed=rng.randrange(1 << 30) if temperature else None))
+    total: dict[str, list[float]] = {}
+    runner: dict[str, list[float]] = {}
+    attn = {}
+    run = eng.runner.run
+
+    def timed_run(work):
+        t0 = time.perf_counter()
+        out = run(work)
+        timed_run.dt = time.perf_counter() - t0
+        return out
+    eng.runner.run = timed_run
+    n_steps = 0
+    while n_steps < steps:
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        k = eng.scheduler.last_stage.value
+        total.setdefault(k, []).append(dt * 1e6)
+        runner.setdefault(k, []).append(timed_run.dt * 1e6)
+        n_steps += 1
+    acc = getattr(eng.runner, "attention_stats", None)
+    if acc is not None:
+        attn = dict(acc)
+    assert not any(s.finished for s in eng.seqs.values())
+    return {"host_us": {k: _pct(v) for k, v in total.items()},
+            "runner_us": {k: _pct(v) for k, v in runner.items()},
+            "rest_us": {k: _pct([a - b for a, b in zip(total[k], runner[k])]) for k in total},
+            "attention": attn, "context_mean": sum(ctx) / batch}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m infer.bench_host", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument("--steps", type=int, default=120, help="engine steps timed per batch size and policy")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "attention": {}, "context_mean": {},
+                 "command": "python -m infer.bench_host " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "note": "model math removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
+                         "fused; microseconds of CPU per engine step"}
+    with torch.inference_mode():
+        for b in a.batches:
+            cdb = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed, a.temperature)
+            cb = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature)
+            for key in ("host_us", "runner_us", "rest_us"):
+                out[key][str(b)] = {**cdb[key], **{k: v for k, v in cb[key].items() if k == "fused"}}
+            out["attention"][str(b)] = cdb["attention"]
+            out["context_mean"][str(b)] = cdb["context_mean"]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
