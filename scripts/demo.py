@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     from infer.bench.offline import bench_workload, modes_for
     from infer.bench.report import format_table, model_meta, write_outputs
     from infer.engine.llm import load_model
-    from looplm.policy import ExitPolicy
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -96,14 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         base = dict(max_batch_size=a.max_batch_size, exit_threshold=PRESET_THRESHOLDS.get(src))
         if note is None:
             base.update(CHECKPOINT_POLICY.get(arch, {}))
-        pol = ExitPolicy.from_config(model.cfg, criterion=base.get("exit_criterion"), threshold=base["exit_threshold"])
         blocks = [bench_workload(model, tok, w, num_requests=n, scale=0.3 if a.tiny else "auto", seed=0, modes=modes, repeats=repeats,
                                  base=base, progress=bar) for w in workloads]
         name = Path(src).name
         meta = {**model_meta(model, src, tok), "note": note, "title": f"{name}: CDB speedup over CB vs the bound",
                 "command": "python -m scripts.demo " + " ".join(argv if argv is not None else sys.argv[1:])}
         paths = write_outputs(blocks, meta, a.out, name)
-        reports.append((src, note, f"{model.cfg.name}; exits: {pol.criterion} q={pol.threshold}", tok is not None, blocks, paths))
+        # the exit policy as the engine resolved it (checkpoint defaults + the settings above)
+        ec = next(r["engine_config"] for r in blocks[0]["results"] if not r["engine_config"]["exits_disabled"])
+        reports.append((src, note, f"{model.cfg.name}; {ec['kv_layout']}; exits: {ec['exit_criterion']} "
+                                   f"q={ec['exit_threshold']}", tok is not None, blocks, paths))
     bar.close()
     for src, note, cfgname, has_tok, blocks, paths in reports:
         print(f"\n##### {src} ({cfgname}); prompts: {'real text' if has_tok else 'random token ids'}")
