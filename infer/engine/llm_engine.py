@@ -41,6 +41,24 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def top_logprobs(logp: torch.Tensor, k: int, tok: int) -> dict[int, float]:
+    """The k most likely tokens of one position's log-probs [V], plus the chosen token (vLLM's rule)."""
+    vals, ids = logp.topk(min(k, logp.shape[-1])) if k else (logp[:0], logp[:0].long())
+    out = dict(zip(ids.tolist(), vals.tolist()))
+    out.setdefault(tok, float(logp[tok]))
+    return out
+
+
+def prompt_logprobs(s: Sequence) -> None:
+    """The prompt's log-probs from the prefill's logits at every position (vLLM's prompt_logprobs):
+    token j > 0 is scored by position j-1's logits; the first token has none."""
+    logp = torch.log_softmax(s.prompt_logits.double(), -1)
+    ids, k = s.prompt_ids, s.params.prompt_logprobs
+    s.prompt_logprobs = [None] + logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    s.prompt_top_logprobs = [None] + [top_logprobs(logp[j], k, ids[j + 1]) for j in range(len(ids) - 1)]
+    s.prompt_logits = None  # [L, V] is large: keep only the numbers asked for
+
+
 class LLMEngine:
     def __init__(self, model: LoopedLM, config: EngineConfig | None = None, tokenizer=None, runner_cls=None):
         """`config` settings left at None come from the checkpoint (EngineConfig.resolve).
@@ -187,6 +205,10 @@ class LLMEngine:
                 s.first_token_time = now
             if logp is not None and p.logprobs:
                 s.logprobs.append(float(logp[i, tok]))
+                if p.top_logprobs:
+                    s.top_logprobs.append(top_logprobs(logp[i], p.top_logprobs, tok))
+            if s.prompt_logits is not None:
+                prompt_logprobs(s)
             if decode:  # keep the prefill's full-depth token out of the mean exit depth
                 self.stats["tokens"] += 1
                 self.stats["depth_sum"] += d

@@ -18,6 +18,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-prob of each chosen token
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each output position
+    # prompt log-probs (vLLM's name): None = off; k >= 0 = each prompt token's log-prob (from the
+    # full-depth prefill) plus the k most likely tokens at each prompt position
+    prompt_logprobs: int | None = None
     # per-request exit policy overrides (None: the engine's setting)
     exit_threshold: float | None = None
     r_min: int | None = None
@@ -45,6 +49,10 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise bad("top_logprobs", f"must be an integer >= 0, got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", f"must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if self.exit_threshold is not None and not isinstance(self.exit_threshold, (int, float)):
             raise bad("exit_threshold", f"must be a number, got {self.exit_threshold!r}")
         try:

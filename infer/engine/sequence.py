@@ -39,6 +39,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token (params.top_logprobs)
+    prompt_logits: object = None  # [len(prompt), V] from the prefill when params.prompt_logprobs is set
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first prompt token
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
     finish_reason: str | None = None
     blocks: list[int] = field(default_factory=list)  # KV block table
