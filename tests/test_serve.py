@@ -216,8 +216,17 @@ def test_malformed_json_and_wrong_types(served):
              ("/v1/completions", '{"prompt": "x", "r_max": 99}', "r_max"),
              ("/v1/completions", '{"prompt": "x", "top_p": 0}', "top_p"),
              ("/v1/completions", '{"prompt": [1, 2, 100000]}', "prompt"),
-             ("/v1/completions", '{"prompt": ["a", "b"]}', "prompt"),
-             ("/v1/completions", '{"prompt": "x", "n": 2}', "n"),
+             ("/v1/completions", '{"prompt": ["a", 5]}', "prompt"),
+             ("/v1/completions", '{"prompt": ["a", ""]}', "prompt"),
+             ("/v1/completions", '{"prompt": "x", "n": 0}', "n"),
+             ("/v1/completions", '{"prompt": "x", "n": 2, "best_of": 3}', "best_of"),
+             ("/v1/completions", '{"prompt": "x", "n": 2, "stream": true}', "n"),
+             ("/v1/completions", '{"prompt": "x", "echo": true, "stream": true}', "echo"),
+             ("/v1/completions", '{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+             ("/v1/completions", '{"prompt": "x", "logprobs": 50}', "logprobs"),
+             ("/v1/completions", '{"prompt": "x", "echo": true, "echo_logprobs_depth": "deep"}', "echo_logprobs_depth"),
+             ("/v1/completions", '{"prompt": "x", "exit_threshold": -1}', "exit_threshold"),
+             ("/v1/completions", '{"prompt": "x", "exit_threshold": 5}', "exit_threshold"),
              ("/v1/chat/completions", '{"messages": "hi"}', "messages"),
              ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "hi"}]}', "messages"),
              ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}',
@@ -225,6 +234,14 @@ def test_malformed_json_and_wrong_types(served):
     for path, body, param in cases:
         r = raw(url, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert isinstance(r.json()["error"]["code"], str), r.text  # OpenAI's shape: a string code
+    # malformed Unicode (a lone surrogate) and deep nesting are 400s, not 500s
+    for body in ('{"prompt": "a\\ud800b"}', '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                 "[" * 60_000, '{"prompt": ' + "[" * 30_000 + "]" * 30_000 + "}"):  # under the 64 KB limit
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (body[:40], r.text)
+    assert httpx.post(url + "/v1/nowhere", content="{}").json()["error"]["code"] == "not_found"
     r = raw(url, "/v1/completions", '{"prompt": "' + "x" * 70000 + '"}')
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 

@@ -54,7 +54,7 @@ def prompt_logprobs(s: Sequence) -> None:
     token j > 0 is scored by position j-1's logits; the first token has none."""
     logp = torch.log_softmax(s.prompt_logits.double(), -1)
     ids, k = s.prompt_ids, s.params.prompt_logprobs
-    s.prompt_logprobs = [None] + logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    s.prompt_logprobs = [None] + logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)].tolist()
     s.prompt_top_logprobs = [None] + [top_logprobs(logp[j], k, ids[j + 1]) for j in range(len(ids) - 1)]
     s.prompt_logits = None  # [L, V] is large: keep only the numbers asked for
 

@@ -41,6 +41,8 @@ class Delta:
     tokens: list[str] | None = None  # token strings (with logprobs)
     finish_reason: str | None = None
     error: str | None = None  # the request failed; the stream ends here
+    top: list[dict[str, float]] | None = None  # per token: the top_logprobs alternatives (+ the token)
+    prompt: dict | None = None  # echo (first delta only): text, token_ids, tokens, logprobs, top
 
     @property
     def done(self) -> bool:
@@ -67,7 +69,8 @@ class RequestStream:
 def merge(a: Delta, b: Delta) -> Delta:
     return Delta(a.token_ids + b.token_ids, a.exit_depths + b.exit_depths, a.text + b.text,
                  None if a.logprobs is None else a.logprobs + (b.logprobs or []),
-                 None if a.tokens is None else a.tokens + (b.tokens or []), b.finish_reason, b.error)
+                 None if a.tokens is None else a.tokens + (b.tokens or []), b.finish_reason, b.error,
+                 None if a.top is None else a.top + (b.top or []), a.prompt or b.prompt)
 
 
 class Overloaded(Exception):
@@ -79,6 +82,7 @@ class _Pub:  # per-request publishing state (engine thread)
     sent_tokens: int = 0
     sent_chars: int = 0
     holdback: int = 0
+    echo_text: str | None = None  # echo: the whole prompt's text
 
 
 class AsyncEngine:
@@ -97,7 +101,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._pub: dict[str, _Pub] = {}  # engine-thread side
         self.closing = False
-        self.counters = {"requests_finished": {}, "requests_failed": 0, "requests_rejected": 0,
+        self.counters = {"requests_finished": {}, "requests_failed": 0, "requests_rejected": 0, "requests_aborted": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "step_errors": 0}
         self.snapshot: dict = {}
         self._rate: deque = deque()  # (time, generated tokens so far)
@@ -126,8 +130,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event loop)
     async def add(self, prompt: str | list[int] | None, params: dict, *, messages: list[dict] | None = None,
-                  max_tokens_given: bool = True) -> RequestStream:
-        """Queue a request. Raises APIError (400) on bad input, Overloaded (503) when full."""
+                  max_tokens_given: bool = True, teacher_force: bool = False) -> RequestStream:
+        """Queue a request. Raises APIError (400) on bad input, Overloaded (503) when full.
+        `teacher_force`: score the prompt instead (its first token is prefilled, the others are
+        forced outputs decoded through the exit policy); the stream's tokens are prompt[1:]."""
         if self.closing or not self.alive:
             raise Overloaded("the server is shutting down")
         if len(self.not_started) >= self.max_waiting:
@@ -139,7 +145,8 @@ class AsyncEngine:
         fut = self.loop.create_future()
         self.streams[rid] = stream
         self.not_started.add(rid)
-        self._cmds.append(("add", rid, prompt, messages, params, max_tokens_given, fut, time.perf_counter()))
+        self._cmds.append(("add", rid, prompt, messages, (params, teacher_force), max_tokens_given, fut,
+                           time.perf_counter()))
         self._wake.set()
         try:
             stream.prompt_tokens = await fut
@@ -178,6 +185,7 @@ class AsyncEngine:
                     self._wake.wait(0.25)
             self._drain()
             for rid in list(self._pub):  # stop: free everything that is left
+                self.counters["requests_aborted"] += 1
                 self.engine.abort(rid)
                 self.engine.release(rid)
             self._pub.clear()
@@ -189,6 +197,7 @@ class AsyncEngine:
             if cmd[0] == "abort":
                 rid = cmd[1]
                 if rid in self._pub:
+                    self.counters["requests_aborted"] += 1
                     self.engine.abort(rid)
                     self.engine.release(rid)
                     del self._pub[rid]
@@ -212,8 +221,8 @@ class AsyncEngine:
                 fut.set_exception(exc) if exc is not None else fut.set_result(result)
         self.loop.call_soon_threadsafe(set_)
 
-    def _add(self, rid: str, prompt, messages, params: dict, given: bool, arrival: float) -> int:
-        tok, field_ = self.tokenizer, "prompt"
+    def _add(self, rid: str, prompt, messages, params_tf: tuple[dict, bool], given: bool, arrival: float) -> int:
+        (params, teacher_force), tok, field_ = params_tf, self.tokenizer, "prompt"
         if messages is not None:
             field_ = "messages"
             if tok is None:
@@ -243,13 +252,21 @@ class AsyncEngine:
             raise APIError(400, f"this model's context is {ctx} tokens, but the {field_} has {len(ids)} tokens and "
                                 f"max_tokens is {params['max_tokens']} ({len(ids) + params['max_tokens']} in all); "
                                 f"lower max_tokens", "max_tokens", code="context_length_exceeded")
+        if teacher_force and len(ids) > 1:  # score prompt[1:] through the exit policy
+            params = {**params, "prompt_logprobs": 0, "logprobs": True}
+            ids, forced = ids[:1], ids[1:]
+        else:
+            forced = None
         try:
             sp = SamplingParams(**params)
-            self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival)
+            self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival, forced_output=forced)
         except ParamError as e:
             raise APIError(400, str(e), field_ if e.param == "prompt" else e.param) from None
         holdback = max((len(s) for s in sp.stop), default=1) - 1
-        self._pub[rid] = _Pub(holdback=holdback)
+        echo_text = None
+        if sp.prompt_logprobs is not None:
+            echo_text = prompt if isinstance(prompt, str) else self._decode(ids + (forced or []))
+        self._pub[rid] = _Pub(holdback=holdback, echo_text=echo_text)
         self.counters["prompt_tokens"] += len(ids)
         return len(ids)
 
@@ -308,17 +325,33 @@ class AsyncEngine:
         ids, depths = s.output_ids[n0:], s.exit_depths[n0:]
         pub.sent_tokens = len(s.output_ids)
         self.counters["generation_tokens"] += len(ids)
-        lps = toks = None
+        lps = toks = top = echo = None
         if s.params.logprobs:
             lps = s.logprobs[n0:]
-            toks = ([self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None
-                    else [f"token_id:{t}" for t in ids])
+            toks = [self._tokstr(t) for t in ids]
+            if s.params.top_logprobs:
+                top = [self._tops(d) for d in s.top_logprobs[n0:]]
+            else:  # the chosen token only (OpenAI's logprobs=0)
+                top = [{t: lp} for t, lp in zip(toks, lps)]
+        if n0 == 0 and ids and s.params.prompt_logprobs is not None:
+            echo = {"text": pub.echo_text, "token_ids": list(s.prompt_ids),
+                    "tokens": [self._tokstr(t) for t in s.prompt_ids], "logprobs": list(s.prompt_logprobs),
+                    "top": [None if d is None else self._tops(d) for d in s.prompt_top_logprobs]}
         visible = s.text
         if not s.finished:  # never send what a stop string could still cut, nor half a character
             visible = visible[:len(visible) - pub.holdback].rstrip("\ufffd")
         text = visible[pub.sent_chars:] if len(visible) > pub.sent_chars else ""
         pub.sent_chars = max(pub.sent_chars, len(visible))
-        return Delta(ids, depths, text, lps, toks, s.finish_reason)
+        return Delta(ids, depths, text, lps, toks, s.finish_reason, top=top, prompt=echo)
+
+    def _tokstr(self, t: int) -> str:
+        return self.tokenizer.decode([t]) if self.tokenizer is not None else f"token_id:{t}"
+
+    def _tops(self, d: dict[int, float]) -> dict[str, float]:
+        return {self._tokstr(t): lp for t, lp in d.items()}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _publish_snapshot(self) -> None:
         now = time.perf_counter()
@@ -333,5 +366,6 @@ class AsyncEngine:
             **m, "waiting": m["queues"]["waiting"] + sum(c[0] == "add" for c in list(self._cmds)),
             "tokens_per_s": (gen - g0) / (now - t0) if now > t0 else 0.0,
             "counters": {**self.counters, "requests_finished": dict(self.counters["requests_finished"])},
+            "engine_keys": list(m),
             "time": now}
 

@@ -23,6 +23,7 @@ from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
 
 from .async_engine import AsyncEngine
+from .protocol import ECHO_DEPTHS
 from .server import build_app
 
 
@@ -45,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=1 << 20)
     s.add_argument("--limit-concurrency", type=int, default=None, help="open connections before 503 (uvicorn)")
     s.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
+    s.add_argument("--echo-logprobs-depth", choices=ECHO_DEPTHS, default="full",
+                   help="what an echoed prompt token's log-prob means: full = the full-depth prefill (vLLM's); "
+                        "policy = teacher-forced through the exit policy (requests may override it with "
+                        "'echo_logprobs_depth')")
     s.add_argument("--log-level", default="warning")
     return p
 
@@ -59,7 +64,8 @@ def make_server(a: argparse.Namespace):
     model, tok = load_model(a.model, a.dtype, a.device, a.r_max)
     engine = LLMEngine(model, engine_config_from_args(a), tok)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
-    app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes)
+    app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes,
+                    echo_logprobs_depth=a.echo_logprobs_depth)
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+from http import HTTPStatus
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_MESSAGES = 1024
+MAX_LOGPROBS = 20  # alternatives per position (vLLM's default max_logprobs)
+MAX_CHOICES = 64  # prompts x n per request
+ECHO_DEPTHS = ("full", "policy")  # what a prompt token's log-prob means (see parse_completion)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SUPPORTED_RESPONSE_FORMATS = (None, "text")
 
@@ -24,8 +28,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        """OpenAI's shape; `code` is always a string (the HTTP status's name when none is given)."""
+        code = self.code if self.code is not None else HTTPStatus(self.status).phrase.lower().replace(" ", "_")
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": code}}
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -36,7 +41,7 @@ def bad(param: str | None, message: str, code: str | None = None) -> APIError:
 class GenRequest:
     """A validated completion or chat request."""
     kind: str  # "completion" | "chat"
-    prompt: str | list[int] | None  # completions
+    prompt: str | list[int] | None  # completions: the first (or only) prompt
     messages: list[dict] | None  # chat (rendered with the chat template in the engine thread)
     sampling: dict  # SamplingParams keyword arguments (max_tokens may be None: the rest of the context)
     max_tokens_given: bool
@@ -45,6 +50,15 @@ class GenRequest:
     logprobs: bool = False
     model: str | None = None
     extra: dict = field(default_factory=dict)
+    prompts: list = field(default_factory=list)  # completions: every prompt (a list per request is allowed)
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt (text and log-probs) before the output
+    top_logprobs: int = 0  # alternatives per position (completions: logprobs=k; chat: top_logprobs=k)
+    echo_depth: str = "full"  # echo log-probs: "full" = full-depth prefill, "policy" = teacher-forced
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
 
 
 def parse_json(raw: bytes) -> dict:
@@ -54,8 +68,17 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad(None, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {_tname(body)}", code="invalid_json")
+    try:  # JSON allows escaped lone surrogates ("\ud800"), which no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(None, f"the request body holds malformed Unicode (a lone surrogate): {e.reason}",
+                  code="invalid_unicode") from None
+    except RecursionError:
+        raise bad(None, "the request body is nested too deeply", code="invalid_json") from None
     return body
 
 
@@ -95,19 +118,13 @@ def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
 
 def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
     """The shared sampling fields (OpenAI's, vLLM's top_k / stop_token_ids / ignore_eos, and ours)."""
-    n = get(body, "n", "integer", 1)
-    if n != 1:
-        raise bad("n", f"only n=1 is supported, got n={n}")
-    best_of = get(body, "best_of", "integer", 1)
-    if best_of != 1:
-        raise bad("best_of", f"only best_of=1 is supported, got {best_of}")
     max_tokens = get(body, "max_tokens", "integer")
     if max_tokens is None and "max_completion_tokens" in body:
         max_tokens = get(body, "max_completion_tokens", "integer")
         if max_tokens is not None and max_tokens < 1:
             raise bad("max_completion_tokens", f"'max_completion_tokens' must be at least 1, got {max_tokens}")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad("max_tokens", f"'max_tokens' must be at least 1, got {max_tokens}")
+    if max_tokens is not None and max_tokens < (0 if body.get("echo") is True else 1):
+        raise bad("max_tokens", f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}")
     temperature = get(body, "temperature", "number", 1.0)
     if temperature < 0:
         raise bad("temperature", f"'temperature' must be >= 0, got {temperature}")
@@ -150,6 +167,21 @@ def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
     return sampling, max_tokens is not None
 
 
+def _n(body: dict, prompts: int) -> int:
+    """n (choices per prompt); best_of is accepted only when it changes nothing (= n)."""
+    n = get(body, "n", "integer", 1)
+    if n < 1:
+        raise bad("n", f"'n' must be at least 1, got {n}")
+    best_of = get(body, "best_of", "integer")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"'best_of' is not supported (only best_of = n, got best_of={best_of}, n={n})")
+    if prompts * n > MAX_CHOICES:
+        raise bad("n", f"at most {MAX_CHOICES} choices (prompts x n) per request, got {prompts * n}")
+    if n > 1 and body.get("stream") is True:
+        raise bad("n", "streaming returns one choice: use n=1 with 'stream' (or send several requests)")
+    return n
+
+
 def _common(body: dict) -> tuple[str | None, bool, bool]:
     model = get(body, "model", "string")
     stream = get(body, "stream", "boolean", False)
@@ -162,38 +194,54 @@ def _common(body: dict) -> tuple[str | None, bool, bool]:
     return model, stream, include_usage
 
 
-def parse_completion(body: dict, vocab_size: int, r_max: int) -> GenRequest:
+def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth: str = "full") -> GenRequest:
+    """A completions request. With `echo`, each prompt token's log-prob (after the first) comes from
+    the full-depth prefill by default (vLLM's meaning: the prompt is prefilled at full depth);
+    `echo_logprobs_depth: "policy"` (or the server's --echo-logprobs-depth policy) teacher-forces
+    the prompt instead: token 1 from the prefill of token 0, every later one decoded through the
+    exit policy, so loglikelihood tasks sent as one prompt show the policy's effect."""
     model, stream, include_usage = _common(body)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "'prompt' is required")
     p = body["prompt"]
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise bad("prompt", f"only one prompt per request is supported, got {len(p)}")
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "'prompt' is empty")
-    elif isinstance(p, list):
-        if not p:
-            raise bad("prompt", "'prompt' is empty")
-        p = _token_ids(p, "prompt", vocab_size)
-    else:
-        raise bad("prompt", f"invalid type for 'prompt': expected a string or an array of token ids, got {_tname(p)}")
-    if get(body, "echo", "boolean", False):
-        raise bad("echo", "'echo' is not supported by this server")
+    # a string, an array of token ids, or an array of either (a batch: one choice per prompt and n)
+    many = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
+    prompts = []
+    for i, x in enumerate(p if many else [p]):
+        where = f"prompt[{i}]" if many else "prompt"
+        if isinstance(x, str):
+            if not x:
+                raise bad("prompt", f"'{where}' is empty")
+        elif isinstance(x, list):
+            if not x:
+                raise bad("prompt", f"'{where}' is empty")
+            x = _token_ids(x, "prompt", vocab_size)
+        else:
+            raise bad("prompt", f"invalid type for '{where}': expected a string or an array of token ids, got "
+                                f"{_tname(x)}")
+        prompts.append(x)
+    if len(prompts) > 1 and stream:
+        raise bad("prompt", "streaming returns one choice: send one prompt per request with 'stream'")
+    n = _n(body, len(prompts))
+    echo = get(body, "echo", "boolean", False)
+    if echo and stream:
+        raise bad("echo", "'echo' is not supported with 'stream'")
     if body.get("suffix"):
         raise bad("suffix", "'suffix' is not supported by this server")
     lp = get(body, "logprobs", "integer")
-    if lp is not None and not 0 <= lp <= 1:
-        raise bad("logprobs", f"'logprobs' must be 0 or 1: this server returns the sampled token's log-prob only "
-                              f"(no alternatives), got {lp}")
+    if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
+        raise bad("logprobs", f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {lp}")
+    echo_depth = get(body, "echo_logprobs_depth", "string", default_echo_depth)
+    if echo_depth not in ECHO_DEPTHS:
+        raise bad("echo_logprobs_depth", f"'echo_logprobs_depth' must be one of {list(ECHO_DEPTHS)}, got {echo_depth!r}")
     sampling, given = _sampling(body, vocab_size, r_max)
     if not given:
         sampling["max_tokens"] = 16  # OpenAI's default for completions
         given = True
     sampling["logprobs"] = lp is not None
-    return GenRequest("completion", p, None, sampling, given, stream, include_usage, lp is not None, model)
+    sampling["top_logprobs"] = lp or 0
+    return GenRequest("completion", prompts[0], None, sampling, given, stream, include_usage, lp is not None, model,
+                      prompts=prompts, n=n, echo=echo, top_logprobs=lp or 0, echo_depth=echo_depth)
 
 
 def _content(v: Any, where: str) -> str:
@@ -235,11 +283,15 @@ def parse_chat(body: dict, vocab_size: int, r_max: int) -> GenRequest:
         raise bad("response_format", "only the 'text' response format is supported")
     lp = get(body, "logprobs", "boolean", False)
     top = get(body, "top_logprobs", "integer", 0)
-    if top:
-        raise bad("top_logprobs", "'top_logprobs' is not supported: only the sampled token's log-prob is returned")
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}")
+    if top and not lp:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    n = _n(body, 1)
     sampling, given = _sampling(body, vocab_size, r_max)
     sampling["logprobs"] = lp
-    return GenRequest("chat", None, clean, sampling, given, stream, include_usage, lp, model)
+    sampling["top_logprobs"] = top
+    return GenRequest("chat", None, clean, sampling, given, stream, include_usage, lp, model, n=n, top_logprobs=top)
 
 
 def render_chat(messages: list[dict], tokenizer) -> str:

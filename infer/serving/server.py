@@ -2,8 +2,14 @@
 /health, /metrics. `build_app` wraps an `AsyncEngine`; `infer.serve` is the command line.
 
 Extensions beyond OpenAI: request fields `exit_threshold`, `r_min`, `r_max` (the per-request exit
-policy), `top_k`, `stop_token_ids`, `ignore_eos`; every choice (and every streamed chunk) carries
-the `token_ids` it produced and the `exit_depths` (loop steps) of those tokens.
+policy), `top_k`, `stop_token_ids`, `ignore_eos`, `echo_logprobs_depth`; every choice (and every
+streamed chunk) carries the `token_ids` it produced and the `exit_depths` (loop steps) of those
+tokens; with `echo`, also `prompt_token_ids` and `prompt_exit_depths` (None for the first token).
+
+vLLM's completions contract (what lm-eval's local-completions uses): a list of prompts (strings or
+token-id lists) per request, `n`, `echo` with prompt log-probs (and `max_tokens: 0`), `logprobs: k`
+with `top_logprobs` (chat: `logprobs` + `top_logprobs: k`). Choice `index` = prompt * n + sample.
+What an echoed prompt token's log-prob means: see protocol.parse_completion.
 """
 from __future__ import annotations
 
@@ -18,41 +24,73 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, Delta, Overloaded, RequestStream
+from .async_engine import AsyncEngine, Delta, Overloaded, RequestStream, merge
 from .protocol import APIError, GenRequest, bad, parse_chat, parse_completion, parse_json
 
 
-def _usage(prompt_tokens: int, depths: list[int]) -> dict:
-    """OpenAI usage, plus the mean exit depth of the decoded tokens (the first token comes from the
-    prefill, at full depth, and is left out as in the engine's mean)."""
-    n = len(depths)
+def _usage(prompt_tokens: int, depths: list[int] | list[list[int]]) -> dict:
+    """OpenAI usage, plus the mean exit depth of the decoded tokens (the first token of each choice
+    comes from the prefill, at full depth, and is left out as in the engine's mean)."""
+    per = depths if depths and isinstance(depths[0], list) else [depths]
+    n = sum(len(d) for d in per)
+    adaptive = [x for d in per for x in d[1:]]
     return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-            "mean_exit_depth": sum(depths[1:]) / (n - 1) if n > 1 else None}
+            "mean_exit_depth": sum(adaptive) / len(adaptive) if adaptive else None}
 
 
-def _logprobs(kind: str, d: Delta, offset: int) -> dict | None:
+def _chat_top(top: dict[str, float], k: int) -> list[dict]:
+    best = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in best]
+
+
+def _logprobs(kind: str, d: Delta, offset: int, k: int = 0) -> dict | None:
     if d.logprobs is None:
         return None
     if kind == "chat":
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(d.tokens, d.logprobs)]}
+        tops = d.top or [{}] * len(d.tokens)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": _chat_top(top, k) if k else []}
+                            for t, lp, top in zip(d.tokens, d.logprobs, tops)]}
     offsets = []
     for t in d.tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": d.tokens, "token_logprobs": d.logprobs, "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": d.tokens, "token_logprobs": d.logprobs, "top_logprobs": d.top, "text_offset": offsets}
 
 
-def _choice(kind: str, d: Delta, stream: bool, offset: int = 0) -> dict:
-    c = {"index": 0}
+def _echo(d: Delta | None, forced: Delta | None, r_max: int, drop_output: bool) -> Delta:
+    """One completion choice with `echo`: the prompt's text, tokens and log-probs, then the output's
+    (none with max_tokens 0). `forced` (echo_logprobs_depth "policy") is the teacher-forced scoring
+    of prompt[1:]; without it the prompt's log-probs are those of the full-depth prefill."""
+    if forced is not None:
+        p = forced.prompt
+        prompt_ids, text = p["token_ids"] + forced.token_ids, p["text"]
+        tokens, lps, tops = p["tokens"] + forced.tokens, [None] + forced.logprobs, [None] + forced.top
+        depths = [None] + forced.exit_depths
+    else:
+        p = d.prompt
+        prompt_ids, text, tokens, lps, tops = p["token_ids"], p["text"], p["tokens"], p["logprobs"], p["top"]
+        depths = [None] + [r_max] * (len(prompt_ids) - 1)  # the prefill runs at full depth
+    out = d if d is not None and not drop_output else Delta([], [], "", [], [], d.finish_reason if d else "length",
+                                                            top=[])
+    e = Delta(out.token_ids, out.exit_depths, text + out.text, lps + (out.logprobs or []),
+              tokens + (out.tokens or []), out.finish_reason, top=tops + (out.top or []))
+    e.prompt = {"token_ids": prompt_ids, "exit_depths": depths}
+    return e
+
+
+def _choice(kind: str, d: Delta, stream: bool, offset: int = 0, index: int = 0, k: int = 0) -> dict:
+    c = {"index": index}
     if kind == "chat" and stream:
         c["delta"] = {"content": d.text} if d.text or not d.finish_reason else {}
     elif kind == "chat":
         c["message"] = {"role": "assistant", "content": d.text}
     else:
         c["text"] = d.text
-    c.update(logprobs=_logprobs(kind, d, offset), finish_reason=d.finish_reason, token_ids=d.token_ids,
+    c.update(logprobs=_logprobs(kind, d, offset, k), finish_reason=d.finish_reason, token_ids=d.token_ids,
              exit_depths=d.exit_depths)
+    if d.prompt is not None and "exit_depths" in d.prompt:  # echo
+        c.update(prompt_token_ids=d.prompt["token_ids"], prompt_exit_depths=d.prompt["exit_depths"])
     return c
 
 
@@ -81,7 +119,9 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20) -> FastAPI:
+              max_request_bytes: int = 1 << 20, echo_logprobs_depth: str = "full") -> FastAPI:
+    """`echo_logprobs_depth`: the default meaning of echoed prompt log-probs ("full": the full-depth
+    prefill, vLLM's; "policy": teacher-forced through the exit policy); a request may override it."""
     cfg = aeng.engine.model.cfg
     engine_cfg = aeng.engine.config.describe()  # the resolved settings (checkpoint defaults filled in)
     info = {k: engine_cfg[k] for k in ("policy", "refill", "kv_layout", "max_batch_size", "lookahead",
@@ -118,50 +158,97 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            type_="authentication_error", code="invalid_api_key")
 
+    async def add_choices(req: GenRequest) -> list[dict[str, RequestStream]]:
+        """One engine request per choice (prompt x n), plus a teacher-forced one per choice for echo
+        under echo_logprobs_depth "policy". All or nothing: a rejection aborts the ones added."""
+        jobs: list[dict[str, RequestStream]] = []
+        zero = req.sampling["max_tokens"] == 0  # echo only: prefill, keep the prompt, drop the token
+        try:
+            for prompt in (req.prompts or [None]):
+                for j in range(req.n):
+                    sp = dict(req.sampling)
+                    if sp["seed"] is not None and j:  # n samples from one seed must differ
+                        sp["seed"] = (sp["seed"] + j) % 2**63
+                    job: dict[str, RequestStream] = {}
+                    jobs.append(job)
+                    policy = req.echo and req.echo_depth == "policy"
+                    if policy:
+                        job["forced"] = await aeng.add(prompt, {**sp, "max_tokens": 1, "logprobs": True,
+                                                                "top_logprobs": req.top_logprobs},
+                                                       teacher_force=True)
+                    if req.echo and not policy:
+                        sp["prompt_logprobs"] = req.top_logprobs
+                    if not (policy and zero):
+                        sp["max_tokens"] = max(1, sp["max_tokens"]) if sp["max_tokens"] is not None else None
+                        job["gen"] = await aeng.add(prompt, sp, messages=req.messages,
+                                                    max_tokens_given=req.max_tokens_given)
+        except BaseException:
+            for job in jobs:
+                for s in job.values():
+                    aeng.abort(s.request_id)
+            raise
+        return jobs
+
     async def generate(request: Request, kind: str):
         auth(request)
         body = parse_json(await _read_body(request, max_request_bytes))
-        req = (parse_completion if kind == "completion" else parse_chat)(body, cfg.vocab_size, cfg.r_max)
+        if kind == "completion":
+            req = parse_completion(body, cfg.vocab_size, cfg.r_max, echo_logprobs_depth)
+        else:
+            req = parse_chat(body, cfg.vocab_size, cfg.r_max)
         if req.model is not None and req.model != model_name:
             raise bad("model", f"the model '{req.model}' does not exist; this server serves '{model_name}'",
                       code="model_not_found")
         try:
-            stream = await aeng.add(req.prompt, req.sampling, messages=req.messages,
-                                    max_tokens_given=req.max_tokens_given)
+            jobs = await add_choices(req)
         except Overloaded as e:
             raise APIError(503, str(e), type_="server_overloaded", code="overloaded") from None
-        head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + stream.request_id,
+        streams = [s for job in jobs for s in job.values()]
+        head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + streams[0].request_id,
                 "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": model_name}
-        if req.stream:
-            return StreamingResponse(_stream(req, stream, head), media_type="text/event-stream",
+        if req.stream:  # one choice (protocol refuses n > 1, several prompts and echo with stream)
+            return StreamingResponse(_stream(req, jobs[0]["gen"], head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collect = asyncio.ensure_future(_collect(req, stream))
+        collect = asyncio.ensure_future(asyncio.gather(*(_collect(req, s) for s in streams)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():  # the client left (or we are being cancelled): stop the request
+            if not collect.done():  # the client left (or we are being cancelled): stop the requests
                 collect.cancel()
-                aeng.abort(stream.request_id)
+                for s in streams:
+                    aeng.abort(s.request_id)
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)
-        d = collect.result()
-        if d.error is not None:
-            raise APIError(500, d.error, type_="internal_server_error")
+        done = iter(collect.result())
+        results = [{name: next(done) for name in job} for job in jobs]
+        for r in results:
+            for d in r.values():
+                if d.error is not None:
+                    raise APIError(500, d.error, type_="internal_server_error")
         if kind == "chat":
             head["object"] = "chat.completion"
-        return {**head, "choices": [_choice(kind, d, stream=False)],
-                "usage": _usage(stream.prompt_tokens, d.exit_depths)}
+        choices, prompt_tokens, depths = [], 0, []
+        for i, (job, r) in enumerate(zip(jobs, results)):
+            d = r.get("gen")
+            if req.echo:
+                d = _echo(d, r.get("forced"), cfg.r_max, drop_output=req.sampling["max_tokens"] == 0)
+                if not req.logprobs:
+                    d.logprobs = None
+            choices.append(_choice(kind, d, stream=False, index=i, k=req.top_logprobs))
+            if i % req.n == 0:  # usage counts each prompt once (as vLLM does)
+                prompt_tokens += job["gen"].prompt_tokens if "gen" in job else len(d.prompt["token_ids"])
+            depths.append(d.exit_depths)
+        return {**head, "choices": choices, "usage": _usage(prompt_tokens, depths)}
 
     async def _collect(req: GenRequest, stream: RequestStream) -> Delta:
-        acc = Delta([], [], "", [] if req.logprobs else None, [] if req.logprobs else None)
+        acc = Delta([], [], "", [], [], top=[])
         while not acc.done:
-            d = await stream.next()
-            acc = Delta(acc.token_ids + d.token_ids, acc.exit_depths + d.exit_depths, acc.text + d.text,
-                        None if acc.logprobs is None else acc.logprobs + (d.logprobs or []),
-                        None if acc.tokens is None else acc.tokens + (d.tokens or []), d.finish_reason, d.error)
+            acc = merge(acc, await stream.next())
+        if not req.logprobs and acc.prompt is None:
+            acc.logprobs = acc.tokens = acc.top = None
         return acc
 
     async def _stream(req: GenRequest, stream: RequestStream, head: dict):
@@ -177,7 +264,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
                     yield _sse({"error": APIError(500, d.error, type_="internal_server_error").body()["error"]})
                     break
                 depths += d.exit_depths
-                chunk = {**head, "choices": [_choice(req.kind, d, stream=True, offset=offset)]}
+                chunk = {**head, "choices": [_choice(req.kind, d, stream=True, offset=offset, k=req.top_logprobs)]}
                 offset += len(d.text)
                 if d.finish_reason is not None:
                     chunk["usage"] = _usage(stream.prompt_tokens, depths)
@@ -229,6 +316,10 @@ def _rss_bytes() -> int:
         return 0
 
 
+_RENDERED_ENGINE_KEYS = {"running", "queues", "kv_usage", "kv_free_blocks", "kv_total_blocks", "kv_all_free",
+                         "mean_exit_depth", "stage_calls", "waiting"}
+
+
 def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
     """Prometheus text exposition of the engine snapshot (taken after every stage)."""
     s, c = aeng.snapshot, aeng.snapshot["counters"]
@@ -257,12 +348,20 @@ def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
          [("", c["requests_failed"])]),
         ("cdb_request_rejected_total", "counter", "Requests refused with 503 (waiting queue full).",
          [("", c["requests_rejected"])]),
+        ("cdb_request_aborted_total", "counter", "Requests aborted before they finished (client gone, shutdown).",
+         [("", c["requests_aborted"])]),
         ("cdb_engine_step_errors_total", "counter", "Engine stages that raised.", [("", c["step_errors"])]),
         ("cdb_stage_calls_total", "counter", "Stages run, by kind.",
          [(f'stage="{k}"', v) for k, v in s["stage_calls"].items()]),
         ("cdb_engine_alive", "gauge", "1 while the engine thread runs.", [("", int(aeng.alive))]),
         ("process_resident_memory_bytes", "gauge", "Resident memory of the server process.", [("", _rss_bytes())]),
     ]
+    # every other number LLMEngine.metrics() reports (preemptions, swaps, prefix-cache hits, ...)
+    # shows up as a gauge without being wired here
+    for k in s.get("engine_keys", ()):
+        v = s.get(k)
+        if k not in _RENDERED_ENGINE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool):
+            rows.append((f"cdb_{k}", "gauge", f"LLMEngine.metrics()['{k}'].", [("", v)]))
     if info:
         rows.append(("cdb_info", "gauge", "Engine configuration.",
                      [(",".join(f'{k}="{v}"' for k, v in info.items()), 1)]))
