@@ -29,18 +29,11 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from looplm.cli import UserError, debug_enabled, one_line  # the one-line error rules every CLI shares
+
 TWO_CPU_RANKS = ("ACCELERATE_USE_CPU=true accelerate launch --config_file train/configs/cpu_2ranks.yaml SCRIPT ... "
                  "(or: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N --num_machines 1 "
                  "--mixed_precision no --dynamo_backend no SCRIPT ...)")
-
-
-class UserError(Exception):
-    """A mistake in the command line or the inputs: printed as one `error:` line."""
-
-
-def debug_enabled(argv: list[str] | None = None) -> bool:
-    argv = sys.argv[1:] if argv is None else argv
-    return "--debug" in argv or os.environ.get("LOOPLM_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def rank() -> int:
@@ -61,10 +54,7 @@ def run(main: Callable[[list[str] | None], object], argv: list[str] | None = Non
     except BaseException as e:  # noqa: BLE001 - the point is to catch everything
         if debug:
             traceback.print_exc()
-        user = isinstance(e, UserError)
-        msg = str(e).strip().replace("\n", " ") or type(e).__name__
-        if not user:
-            msg = f"{type(e).__name__}: {msg}" + ("" if debug else " (traceback: --debug or LOOPLM_DEBUG=1)")
+        msg, user = one_line(e, debug)
         if rank() == 0:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         elif not user:  # a rank-specific failure: say which rank

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.cli import UserError
+from looplm.cli import UserError
 from train.common import CACHE, CORPUS, TOKENIZER, eval_windows, random_windows
 
 DATASETS_CACHE = CACHE / "datasets"

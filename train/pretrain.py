@@ -32,7 +32,7 @@ from looplm.policy import ExitPolicy
 from looplm.io import build_model, load_tokenizer, save_pretrained
 from looplm.presets import init_weights
 from train import cli
-from train.cli import UserError
+from looplm.cli import UserError
 from train.common import (CORPUS, TOKENIZER, History, collect_outputs, eval_windows, init_wandb, logits_of,
                           ppl_per_depth, run_loop, summarize_exit, token_ce)
 from train.datasource import Tokens, from_corpus, from_dataset, from_npy

@@ -40,7 +40,7 @@ from looplm.config import replace
 from looplm.io import load_pretrained, load_tokenizer, save_pretrained
 from looplm.policy import ExitPolicy
 from train import cli
-from train.cli import UserError
+from looplm.cli import UserError
 from train.common import TOKENIZER, History, init_wandb, token_ce
 from train.datasource import Tokens, from_corpus, from_dataset, from_npy
 from train.kv_emulation import LAYOUTS, Sweep, sweep
