@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from eval.plots import plot
+from kv_layouts import DEFAULT_LAYOUT
 
 SETTINGS = ("exit_criterion", "exit_threshold", "r_min", "kv_layout", "lookahead", "policy")
 DEFAULTS = dict(tasks="looped_suite", limit=24, bench_workload="alpaca", bench_requests=16, bench_scale=1.0,
@@ -58,7 +59,7 @@ def grid_points(grid: dict[str, list], fixed: dict[str, Any], baselines: bool) -
     base = {k: fixed[k] for k in SETTINGS if k in fixed}
     points = [{**base, **dict(zip(keys, vals))} for vals in itertools.product(*(grid[k] for k in keys))]
     if baselines:
-        for layout in dict.fromkeys(grid.get("kv_layout", [fixed.get("kv_layout", "last_exited")])):
+        for layout in dict.fromkeys(grid.get("kv_layout", [fixed.get("kv_layout", DEFAULT_LAYOUT)])):
             points.append({"policy": "cb", "kv_layout": layout, "exit_threshold": None, "r_min": None,
                            "lookahead": False})
     return points

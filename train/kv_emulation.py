@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kv_layouts import LAYOUTS as ENGINE_LAYOUTS
 from looplm.layers import causal_attend
 from looplm.model import LoopedLM
 from looplm.policy import ExitPolicy
 from train.common import checkpointed_step, exit_depths
 
-LAYOUTS = ("full_depth", "last_exited", "shared")
+LAYOUTS = tuple(sorted(ENGINE_LAYOUTS))  # the engine's layouts, each emulated exactly below
 
 
 @dataclass
