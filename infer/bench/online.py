@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from looplm.cli import UserError
+
 from .workloads import WORKLOADS, load_trace
 
 POLICY_ARGS = {"cb": ["--policy", "cb"], "cdb-norefill": ["--policy", "cdb", "--no-refill"],
@@ -193,7 +195,10 @@ def start_server(model: str, policy: str, extra: list[str], log_path: Path, time
     deadline = time.monotonic() + timeout
     url = None
     while time.monotonic() < deadline:
-        if p.poll() is not None:
+        if p.poll() is not None:  # pass the server's own one-line error on (a bad --model, a bad setting)
+            said = [ln[len("error: "):] for ln in log_path.read_text().splitlines() if ln.startswith("error: ")]
+            if said:
+                raise UserError(f"the server did not start: {said[-1]} (log: {log_path})")
             raise RuntimeError(f"server exited with {p.returncode}; see {log_path}")
         if url is None:
             m = re.search(r"on (http://127\.0\.0\.1:\d+)", log_path.read_text())
