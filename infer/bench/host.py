@@ -58,15 +58,11 @@ class NoopRunner(ModelRunner):
         self._scores = torch.zeros(N, dtype=torch.float32, device=self.device)
         self._logits = torch.zeros(N, V, dtype=torch.float32, device=self.device)
 
-    def body(self, stage, t, r_max=0, batch=None):
-        n = t["slots"].shape[0]
+    def body(self, stage, slots, nb, r_max=0):
+        n = slots.shape[0]
         if stage is Stage.CORE:
             return self._scores[:n]
         return self._logits[:n] if stage in (Stage.CODA, Stage.FUSED) else None
-
-    def batch_from(self, t):  # the pre-issue runner built ctx rows here (device work): skip it
-        from infer.engine.stages import TokenBatch
-        return TokenBatch(ids=t["ids"], positions=t["pos"], rows=t["rows"], steps=t["steps"])
 
     def prefill_body(self, batch, last):
         return torch.zeros(last.shape[0], self.cfg.vocab_size)
@@ -85,12 +81,16 @@ def _pct(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "n": len(xs)}
 
 
-def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: float = 0.0) -> dict:
-    """Time `steps` engine steps (after a warm-up) of one policy at one batch size."""
+def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: float = 0.0,
+            count_attention: bool = False) -> dict:
+    """Time `steps` engine steps of one policy at one batch size (or, with `count_attention`, count
+    the decode attention rows instead: that pass is not timed)."""
     ctx = contexts(batch, seed, steps + 2)  # every request outlives the timed steps: full batches
     cfg = EngineConfig(max_batch_size=batch, max_prefill_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
                        **policy)
     eng = LLMEngine(BenchModel(), cfg, runner_cls=NoopRunner)
+    if count_attention:
+        eng.runner.attention_stats = {}
     rng = random.Random(seed)
     for c in ctx:
         eng.add_request([rng.randrange(3, 256) for _ in range(c)],
@@ -98,7 +98,6 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
                                        seed=rng.randrange(1 << 30) if temperature else None))
     total: dict[str, list[float]] = {}
     runner: dict[str, list[float]] = {}
-    attn = {}
     run = eng.runner.run
 
     def timed_run(work):
@@ -116,9 +115,10 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
         total.setdefault(k, []).append(dt * 1e6)
         runner.setdefault(k, []).append(timed_run.dt * 1e6)
         n_steps += 1
-    acc = getattr(eng.runner, "attention_stats", None)
-    if acc is not None:
-        attn = dict(acc)
+    attn = eng.runner.attention_stats or {}
+    if attn:
+        attn = {**attn, "sdpa_over_context": attn["rows_read"] / attn["context"],
+                "paged_over_context": attn["rows_paged"] / attn["context"]}
     assert not any(s.finished for s in eng.seqs.values())
     return {"host_us": {k: _pct(v) for k, v in total.items()},
             "runner_us": {k: _pct(v) for k, v in runner.items()},
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
             cb = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature)
             for key in ("host_us", "runner_us", "rest_us"):
                 out[key][str(b)] = {**cdb[key], **{k: v for k, v in cb[key].items() if k == "fused"}}
-            out["attention"][str(b)] = cdb["attention"]
+            out["attention"][str(b)] = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed,
+                                               count_attention=True)["attention"]
             out["context_mean"][str(b)] = cdb["context_mean"]
     text = json.dumps(out, indent=1)
     print(text)

@@ -16,8 +16,7 @@ device still runs this one (the lookahead pipeline).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from array import array
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -46,20 +45,6 @@ class Runner(Protocol):
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-@dataclass
-class Meta:
-    """Host-side metadata of a padded decode batch."""
-    ids: list[int]
-    pos: list[int]
-    rows: list[int]
-    steps: list[int]
-    bt: list[list[int]]  # block tables [N, L // block_size]
-    ctx_len: list[int]
-    slots: list[int]
-    n: int  # real items (the rest is padding)
-    L: int  # context length attended (a multiple of the block size)
 
 
 class PendingScores:
@@ -97,59 +82,135 @@ class ModelRunner:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
         self.graphs = GraphCache(self) if cuda_graphs else None
-        self._last_key, self._last, self._last_steps = None, None, None  # batch reuse (see _decode)
+        self._init_batch_state(S)
         self._bodies = {Stage.PRELUDE: self._prelude_body, Stage.CORE: self._core_body, Stage.CODA: self._coda_body,
                         Stage.FUSED: self._fused_body}
         self._stages = {Stage.PREFILL: self._prefill, Stage.PRELUDE: self._prelude, Stage.CORE: self._core,
                         Stage.CODA: self._coda, Stage.FUSED: self._fused}
 
-    def _t(self, xs) -> torch.Tensor:
-        t = torch.tensor(xs, dtype=torch.long)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def _t(self, xs: list | array | torch.Tensor) -> torch.Tensor:
+        """Host ints -> a long tensor on the device (on CUDA: pinned, asynchronous). An array('q')
+        converts 3x faster than a list (torch.tensor walks the list item by item)."""
+        if isinstance(xs, array):
+            xs = torch.frombuffer(xs, dtype=torch.long) if len(xs) else torch.zeros(0, dtype=torch.long)
+        if self.device.type != "cuda":
+            return xs if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long)
+        t = xs.pin_memory() if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long, pin_memory=True)
+        return t.to(self.device, non_blocking=True)
 
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
 
-    # ------------------------------------------------------------------ decode batches
-    def meta(self, seqs: list[Sequence], steps: list[int] | None = None, bucket_ctx: bool = False) -> Meta:
-        bm, B = self.blocks, self.blocks.block_size
-        n = len(seqs)
-        pad = self.padded(n) - n
-        pos = [s.position for s in seqs]
-        ctx_len = [p + 1 for p in pos] + [1] * pad
-        L = -(-max(ctx_len) // B) * B
-        if bucket_ctx:  # graphs: a few context buckets instead of one graph per length
-            L = min(max(B, next_pow2(L)), -(-self.cfg.max_position // B) * B)
-        nb = L // B
-        bt = [s.blocks[:nb] + [0] * (nb - min(nb, len(s.blocks))) for s in seqs] + [[0] * nb] * pad
-        return Meta(ids=[s.output_ids[-1] for s in seqs] + [0] * pad, pos=pos + [0] * pad,
-                    rows=[bm.row(s.blocks, p) for s, p in zip(seqs, pos)] + [self.layout.scratch_row] * pad,
-                    steps=(steps or [s.step + 1 for s in seqs]) + [1] * pad, bt=bt, ctx_len=ctx_len,
-                    slots=[s.slot for s in seqs] + [self.scratch_slot] * pad, n=n, L=L)
-
-    def tensors(self, m: Meta) -> dict[str, torch.Tensor]:
-        return {"ids": self._t(m.ids), "pos": self._t(m.pos), "rows": self._t(m.rows), "steps": self._t(m.steps),
-                "bt": self._t(m.bt), "ctx_len": self._t(m.ctx_len), "slots": self._t(m.slots)}
-
-    def batch_from(self, t: dict[str, torch.Tensor]) -> TokenBatch:
+    # ------------------------------------------------------------------ persistent batch state
+    def _init_batch_state(self, S: int) -> None:
+        """Per-slot decode metadata on the device, kept across stages (vLLM V1's persistent batch):
+        last token, position, loop step and block table of the sequence in each state slot. The
+        host keeps a mirror of what the device holds (`_own`, `_hpos`, `_nblk`) and each stage sends
+        only the differences (a token was appended, a block was added, a slot changed hands)."""
         B = self.blocks.block_size
-        L = t["bt"].shape[1] * B
-        j = torch.arange(L, device=self.device)
-        ctx_rows = t["bt"][:, j // B] * B + j % B  # [N, L]
-        return TokenBatch(ids=t["ids"], positions=t["pos"], rows=t["rows"], steps=t["steps"], ctx_rows=ctx_rows,
-                          ctx_len=t["ctx_len"])
+        long = dict(dtype=torch.long, device=self.device)
+        # one [S, 3] tensor (position, last token, loop step) so that a stage's updates are one copy
+        self.slot_meta = torch.zeros(S, 3, **long)
+        self.pos, self.tok, self.step = self.slot_meta.unbind(1)
+        self.bt = torch.zeros(S, -(-self.cfg.max_position // B), **long)  # the scratch slot's table stays 0
+        self._j = torch.arange(self.bt.shape[1] * B, **long)  # context offsets, sliced per stage
+        self._own: list[Sequence | None] = [None] * S
+        self._hpos, self._nblk = [-1] * S, [0] * S
+        self._dirty, self._prev = True, (None, None, 0)  # see _upload's fast path
+        self.attention_stats: dict | None = None  # see _count_attention
 
-    def body(self, stage: Stage, t: dict[str, torch.Tensor], r_max: int = 0, batch: TokenBatch | None = None
-             ) -> torch.Tensor | None:
-        """One decode stage over a padded batch, reading and writing only static buffers (so it
-        can be captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
-        batch = batch if batch is not None else self.batch_from(t)
-        return self._bodies[stage](t["slots"], batch, r_max)
+    def invalidate(self, slot: int) -> None:
+        """Forget what the device holds for `slot` (its next stage rewrites it from the Sequence):
+        call it when a sequence's block table or loop state changes behind the runner's back."""
+        self._own[slot], self._dirty = None, True
+
+    def _upload(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
+        """Apply the batch's differences to the per-slot state with one host-to-device copy.
+        Returns the padded batch's slots [N] (padding: the scratch slot) and its longest context.
+        A stage over the same sequences as the previous one, with no token emitted and no slot
+        invalidated in between (consecutive core steps), reuses the previous slots: no copy."""
+        if not self._dirty and seqs == self._prev[0]:  # identity compare, C speed
+            if self.attention_stats is not None:
+                self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
+            return self._prev[1], self._prev[2]
+        own, hpos, nblk = self._own, self._hpos, self._nblk
+        upd: list[int] = []  # (slot, position, last token, loop step) of slots whose token changed
+        bup: list[int] = []  # (flat index, block) of block-table entries the device lacks
+        longest, MB = 0, self.bt.shape[1]
+        for s in seqs:
+            sl, out = s.slot, s.output_ids
+            p = len(s.prompt_ids) + len(out) - 1
+            if own[sl] is not s:  # a new sequence in this slot (admitted, swapped in, or invalidated)
+                own[sl], hpos[sl], nblk[sl] = s, -1, 0
+            if hpos[sl] != p:
+                upd += (sl, p, (out or s.prompt_ids)[-1], s.step)
+                hpos[sl] = p
+            blocks = s.blocks
+            if nblk[sl] != len(blocks):  # blocks added on demand (or a new table: rewrite it all)
+                for c in range(nblk[sl] if nblk[sl] < len(blocks) else 0, len(blocks)):
+                    bup += (sl * MB + c, blocks[c])
+                nblk[sl] = len(blocks)
+            if p > longest:
+                longest = p
+        n, N = len(seqs), self.padded(len(seqs))
+        buf = self._t(array("q", [s.slot for s in seqs] + [self.scratch_slot] * (N - n) + upd + bup))
+        if upd:
+            u = buf[N:N + len(upd)].view(-1, 4)
+            self.slot_meta.index_copy_(0, u[:, 0], u[:, 1:])
+        if bup:
+            b = buf[N + len(upd):].view(-1, 2)
+            self.bt.view(-1).index_copy_(0, b[:, 0], b[:, 1])
+        if self.attention_stats is not None:
+            self._count_attention(seqs, N, longest + 1)
+        self._dirty, self._prev = False, (seqs, buf[:N], longest + 1)
+        return buf[:N], longest + 1
+
+    def _count_attention(self, seqs: list[Sequence], N: int, longest: int) -> None:
+        """Decode attention traffic of one stage, in KV rows per attention layer: what the SDPA path
+        reads (N x L, padded), what a paged kernel reads (whole blocks of each context), and the
+        real context sum. Off unless `attention_stats` is a dict (bench_host turns it on)."""
+        B, st = self.blocks.block_size, self.attention_stats
+        ctx = [s.num_tokens for s in seqs]
+        st["stages"] = st.get("stages", 0) + 1
+        st["rows_read"] = st.get("rows_read", 0) + N * self._ctx_len(longest)
+        st["rows_paged"] = st.get("rows_paged", 0) + sum(-(-c // B) * B for c in ctx)
+        st["context"] = st.get("context", 0) + sum(ctx)
+
+    def _ctx_len(self, longest: int) -> int:
+        """Context length the SDPA path attends: a multiple of the block size (on CUDA, a few
+        power-of-two buckets so that graphs and kernels see a handful of shapes)."""
+        B = self.blocks.block_size
+        L = -(-longest // B) * B
+        if self.device.type == "cuda":
+            L = min(max(B, next_pow2(L)), self.bt.shape[1] * B)
+        return L
+
+    def _rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """KV rows of positions `pos` of the sequences in `slots` (the scratch row for padding)."""
+        B = self.blocks.block_size
+        rows = self.bt[slots, pos // B] * B + pos % B
+        return torch.where(slots == self.scratch_slot, self.layout.scratch_row, rows)
+
+    def batch_from(self, stage: Stage, slots: torch.Tensor, nb: int) -> TokenBatch:
+        """The stage's TokenBatch, gathered on the device from the per-slot state (inside the CUDA
+        graph when graphs are used): ids, positions, rows, loop steps, context rows [N, nb * B]."""
+        B = self.blocks.block_size
+        pos = self.pos[slots]
+        j = self._j[: nb * B]
+        ctx_rows = self.bt[slots][:, :nb][:, j // B] * B + j % B
+        steps = self.step[slots] + 1 if stage is Stage.CORE else torch.ones_like(pos)
+        return TokenBatch(ids=self.tok[slots], positions=pos, rows=self._rows(slots, pos), steps=steps,
+                          ctx_rows=ctx_rows, ctx_len=pos + 1)
+
+    def body(self, stage: Stage, slots: torch.Tensor, nb: int, r_max: int = 0) -> torch.Tensor | None:
+        """One decode stage over a padded batch (`slots` [N], `nb` context blocks), reading and
+        writing only static buffers (so it can be captured in a CUDA graph). Returns scores [N]
+        (core), logits [N, V] (coda, fused)."""
+        return self._bodies[stage](slots, self.batch_from(stage, slots, nb), r_max)
 
     def _prelude_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> None:
         state, inj = stages.prelude(self.model, self.layout, batch)
+        self.step.index_fill_(0, slots, 0)
         self.state.index_copy_(0, slots, state)
         if self.inj is not None:
             self.inj.index_copy_(0, slots, inj)
@@ -165,6 +226,8 @@ class ModelRunner:
         self.state.index_copy_(0, slots, new)
         if aux is not None:
             self.aux.index_copy_(0, slots, aux)
+        self.step.index_copy_(0, slots, batch.steps)
+        self.step[self.scratch_slot:].zero_()  # padding keeps loop step 1 (its KV index stays in range)
         return scores
 
     def _coda_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> torch.Tensor:
@@ -174,33 +237,23 @@ class ModelRunner:
         """CB: prelude + r_max core steps + coda, no scheduling in between."""
         return stages.fused(self.model, self.layout, batch, r_max)
 
-    def _decode(self, stage: Stage, seqs: list[Sequence], steps: list[int] | None = None, r_max: int = 0):
-        graphed = self.graphs is not None
-        # on CUDA, eager batches use the graphs' context buckets too: same shapes, same kernels
-        meta = self.meta(seqs, steps, bucket_ctx=self.device.type == "cuda")
-        if graphed:
-            return self.graphs.run(stage, meta, r_max), meta.n
-        # Consecutive stages over the same tokens (prelude, core steps, coda of one cohort) reuse
-        # the batch tensors, its RoPE and its mask; only the loop steps change.
-        key = (tuple(s.seq_id for s in seqs), tuple(meta.pos), meta.L)
-        if key == self._last_key:
-            t, batch = self._last
-            if meta.steps != self._last_steps:
-                t = {**t, "steps": self._t(meta.steps)}
-                batch = dataclasses.replace(batch, steps=t["steps"])
-        else:
-            t = self.tensors(meta)
-            batch = self.batch_from(t)
-        self._last_key, self._last, self._last_steps = key, (t, batch), meta.steps
-        return self.body(stage, t, r_max, batch), meta.n
+    def _decode(self, stage: Stage, seqs: list[Sequence], r_max: int = 0):
+        slots, longest = self._upload(seqs)
+        nb = self._ctx_len(longest) // self.blocks.block_size
+        if self.graphs is not None:
+            return self.graphs.run(stage, slots, nb, r_max), len(seqs)
+        return self.body(stage, slots, nb, r_max), len(seqs)
 
     # ------------------------------------------------------------------ stages
     @torch.inference_mode()
     def run(self, work: Work) -> torch.Tensor | PendingScores | None:
-        return self._stages[work.stage](work)
+        out = self._stages[work.stage](work)
+        if work.stage.emits:  # tokens are appended (and blocks may grow) before the next stage
+            self._dirty = True
+        return out
 
     def _prelude(self, work: Work) -> None:
-        self._decode(Stage.PRELUDE, work.seqs, steps=[1] * len(work.seqs))
+        self._decode(Stage.PRELUDE, work.seqs)
 
     def _core(self, work: Work) -> PendingScores:
         """One loop step for every item, each at its own depth."""
@@ -209,14 +262,16 @@ class ModelRunner:
 
     def _coda(self, work: Work) -> torch.Tensor:
         # the layout's on-exit hook (last_exited fill) first: nothing has read the skipped slots yet
-        seqs = work.seqs
-        self.layout.on_exit(self._t([self.blocks.row(s.blocks, s.position) for s in seqs]),
-                            self._t([s.step for s in seqs]))
-        logits, n = self._decode(Stage.CODA, seqs)
+        n = len(work.seqs)
+        slots, longest = self._upload(work.seqs)
+        sl = slots[:n]
+        self.layout.on_exit(self._rows(sl, self.pos[sl]), self.step[sl])
+        nb = self._ctx_len(longest) // self.blocks.block_size
+        logits = self.graphs.run(Stage.CODA, slots, nb) if self.graphs is not None else self.body(Stage.CODA, slots, nb)
         return logits[:n]
 
     def _fused(self, work: Work) -> torch.Tensor:
-        logits, n = self._decode(Stage.FUSED, work.seqs, steps=[1] * len(work.seqs), r_max=work.r_max)
+        logits, n = self._decode(Stage.FUSED, work.seqs, r_max=work.r_max)
         return logits[:n]
 
     def _prefill(self, work: Work) -> torch.Tensor:
@@ -224,15 +279,19 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole prompts at full depth; returns the last position's logits [B, V]."""
-        bm = self.blocks
-        ids, pos, rows, sid, last = [], [], [], [], []
+        B = self.blocks.block_size
+        ids, pos, blocks, keep, sid, last = [], [], [], [], [], []
         for i, s in enumerate(seqs):
             L = len(s.prompt_ids)
             ids += s.prompt_ids
             pos += range(L)
-            rows += [bm.row(s.blocks, p) for p in range(L)]
+            nb = -(-L // B)
+            blocks += s.blocks[:nb]
+            keep += [True] * L + [False] * (nb * B - L)  # the rows of positions 0..L-1 of its blocks
             sid += [i] * L
             last.append(len(ids) - 1)
+        span = (torch.tensor(blocks, dtype=torch.long)[:, None] * B + torch.arange(B)).view(-1)
+        rows = span[torch.tensor(keep)]
         batch = TokenBatch(ids=self._t(ids), positions=self._t(pos), rows=self._t(rows),
                            steps=torch.ones(len(ids), dtype=torch.long, device=self.device), seq_ids=self._t(sid))
         # echo / prompt log-probs: after the B last rows, every position of the prompts that ask
