@@ -201,6 +201,91 @@ def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | No
     return rows
 
 
+# ---------------------------------------------------------------- the same grid on Ray workers
+def _ray_point(pretrained: str, point: dict, cfg: dict, threads: int | None) -> tuple[dict, float]:
+    """One Ray task: load the model on the worker's device, then the point's accuracy + throughput."""
+    import torch
+
+    from infer.engine.llm import load_model
+
+    from eval.lm import LoopedEvalLM, task_manager
+
+    if threads:
+        torch.set_num_threads(threads)  # the core Ray reserved for this task
+    t0 = time.perf_counter()
+    model, tok = load_model(pretrained, cfg["dtype"], cfg["device"])
+    if tok is None and cfg.get("tokenizer"):
+        tok = LoopedEvalLM._tokenizer(cfg["tokenizer"])
+    metrics = {**evaluate_point(model, tok, point, cfg, task_manager()), **bench_point(pretrained, point, cfg)}
+    return metrics, time.perf_counter() - t0
+
+
+def run_sweep_ray(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | None = None,
+                  address: str | None = None, workers: int | None = None) -> list[dict]:
+    """`run_sweep`'s grid with each distinct policy as a Ray task on one device (a GPU on CUDA, one
+    core on CPU), at most `workers` at once; rows, wandb runs and plots are written here, in grid
+    order, exactly as `run_sweep` writes them. `address`: an existing cluster (else a local one)."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("error: --ray needs Ray: pip install -e '.[distributed]'") from None
+
+    spec = load_sweep(sweep)
+    grid = dict(spec["grid"])
+    for k, v in (overrides or {}).items():  # as in run_sweep: a list replaces a grid axis, a scalar fixes it
+        if k in grid:
+            if isinstance(v, list):
+                grid[k] = v
+            else:
+                del grid[k]
+    cfg = {**DEFAULTS, **spec["fixed"], **{k: v for k, v in (overrides or {}).items() if k not in grid}}
+    if cfg.get("pretrained") is None:
+        raise ValueError("the sweep needs a `pretrained` parameter (a checkpoint folder)")
+    local = Path(cfg["pretrained"])  # workers may run elsewhere: send an absolute path (same on every node)
+    pretrained = str(local.resolve()) if local.exists() else cfg["pretrained"]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    points = grid_points(grid, cfg, bool(cfg["baselines"]))
+    todo = list({policy_key(p): p for p in reversed(points)}.items())[::-1]  # first point of each policy
+    names = {key: point_name(p) for key, p in todo}
+    cuda = str(cfg["device"]).startswith("cuda")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=False, num_cpus=workers or os.cpu_count())
+    try:
+        task = ray.remote(**({"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}))(_ray_point)
+        running, results = {}, {}
+        while todo or running:
+            while todo and len(running) < (workers or len(todo) + len(running)):
+                key, p = todo.pop(0)
+                running[task.remote(pretrained, p, cfg, None if cuda else 1)] = key
+            done, _ = ray.wait(list(running), num_returns=1)
+            for ref in done:
+                key = running.pop(ref)
+                results[key] = ray.get(ref)
+                print(json.dumps({"name": names[key], "score": results[key][0].get("score"),
+                                  "seconds": round(results[key][1], 2)}), flush=True)
+    finally:
+        ray.shutdown()
+    rows, first = [], {}
+    for point in points:
+        key = policy_key(point)
+        metrics, secs = results[key]
+        if key in first:
+            metrics, secs = {**metrics, "same_policy_as": first[key]}, 0.0
+        else:
+            first[key] = point_name(point)
+        settings = {k: point.get(k) for k in SETTINGS}
+        settings["policy"] = settings["policy"] or "cdb"
+        row = {"name": point_name(point), **settings, **metrics, "seconds": round(secs, 2)}
+        row["wandb_run"] = _wandb_run(cfg, spec["name"], row["name"], {**cfg, **settings}, row, out)
+        rows.append(row)
+    write_table(rows, out)
+    plot(out / "results.csv")
+    return rows
+
+
 # ---------------------------------------------------------------- CLI
 def _value(s: str):
     v = yaml.safe_load(s)
@@ -217,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="override parameters, e.g. limit=20 pretrained=checkpoints/x 'r_min=[1,3]' (a list "
                         "replaces a grid axis, a scalar fixes it)")
     r.add_argument("--no-wandb", action="store_true")
+    r.add_argument("--ray", action="store_true", help="run the points as Ray tasks, one device each "
+                   "(the `distributed` extra; docs/distributed.md)")
+    r.add_argument("--ray-address", default=None, help="with --ray: an existing cluster (default: a local one)")
+    r.add_argument("--workers", type=int, default=None, help="with --ray: points at once (default: the cluster's)")
     pt = sub.add_parser("point", help="one point (what `wandb agent` runs; flags as --key=value)")
     pt.add_argument("--out", type=Path, default=Path("outputs/sweeps/agent"))
     pl = sub.add_parser("plot", help="redraw the plots from a results.csv")
@@ -231,7 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         if a.no_wandb:
             over["wandb"] = False
         name = load_sweep(a.sweep)["name"]
-        run_sweep(a.sweep, a.out or Path("outputs/sweeps") / name, over)
+        if a.ray:
+            run_sweep_ray(a.sweep, a.out or Path("outputs/sweeps") / name, over, a.ray_address, a.workers)
+        else:
+            run_sweep(a.sweep, a.out or Path("outputs/sweeps") / name, over)
     elif a.cmd == "point":
         print(json.dumps(run_agent_point(rest, a.out)))
     else:

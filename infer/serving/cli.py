@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
                         "policy = teacher-forced through the exit policy (requests may override it with "
                         "'echo_logprobs_depth')")
     s.add_argument("--log-level", default="warning")
+    r = p.add_argument_group("replicas (Ray Serve; needs the `distributed` extra, see docs/distributed.md)")
+    r.add_argument("--replicas", type=int, default=None, help="run N engine replicas behind this endpoint")
+    r.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
     return p
 
 
@@ -76,6 +79,9 @@ def make_server(a: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
+    if a.replicas is not None:  # Ray is imported on this path only
+        from .replicas import main as replicas_main
+        return replicas_main(a)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server, sock = make_server(a)
     host, port = sock.getsockname()[:2]
