@@ -24,7 +24,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.evaluator import simple_evaluate as _lm_eval_simple_evaluate
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
 from infer.engine.config import EngineConfig
@@ -112,6 +112,17 @@ class LoopedEvalLM(TemplateLM):
         self._device = torch.device(device)
         self.pretrained = pretrained if isinstance(pretrained, str) else type(pretrained).__name__
         self.reset_depth_stats()
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> LoopedEvalLM:
+        """model_args win over lm-eval's own flags (--device, --batch_size) instead of lm-eval's
+        duplicate-keyword TypeError when both name one (e.g. model_args device=cpu and --device)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**extra, **arg_dict})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LoopedEvalLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @staticmethod
     def _tokenizer(tok):

@@ -206,8 +206,9 @@ def test_server_bad_input_battery(policy_server):
 def test_lm_eval_cli_with_our_model(tmp_path):
     """`looplm-eval` (a console script: lm-eval has no model plugin discovery) is lm-eval's CLI with the
     `looped` model and the local tasks; the table and the JSON carry exit_depth."""
-    r = subprocess.run([str(BIN / "looplm-eval"), "run", "--model", "looped", "--model_args", f"pretrained={DEMO}",
-                        "--device", "cpu", "--tasks", "looped_lastword", "--limit", "3", "--output_path",
+    # (device in model_args: it wins over lm-eval's --device default instead of a duplicate-keyword error)
+    r = subprocess.run([str(BIN / "looplm-eval"), "run", "--model", "looped", "--model_args",
+                        f"pretrained={DEMO},device=cpu", "--tasks", "looped_lastword", "--limit", "3", "--output_path",
                         str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"\|\s*exit_depth\s*\|", r.stdout), r.stdout
