@@ -16,7 +16,7 @@ export WANDB_DIR ?= $(CURDIR)/.cache/wandb
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH) -e '.[dev]'
+	$(BIN)/python -m pip install -q $(TORCH) -e '.[dev,distributed]'
 	touch $@
 
 install: $(BIN)/.installed
