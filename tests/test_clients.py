@@ -162,6 +162,15 @@ def test_completions_contract(policy_server):
     assert cs[0]["token_ids"] != cs[1]["token_ids"] or cs[2]["token_ids"] != cs[3]["token_ids"]  # n samples differ
     assert r["usage"]["prompt_tokens"] == len(cs[0]["prompt_token_ids"]) + len(ids)
     assert r["usage"]["completion_tokens"] == 12
+    # vLLM's tokenizer endpoints (lm-eval's remote tokenizer: no local tokenizer needed)
+    from looplm.io import load_tokenizer
+    tok = load_tokenizer(DEMO)
+    t = policy_server.post({"prompt": TEXT, "add_special_tokens": False}, "/tokenize").json()
+    assert t["tokens"] == tok.encode(TEXT, add_special_tokens=False) and t["max_model_len"] == 128
+    assert policy_server.post({"tokens": t["tokens"]}, "/detokenize").json()["prompt"] == TEXT
+    info = httpx.get(policy_server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"]
+    assert policy_server.post({"tokens": [10**9]}, "/detokenize").json()["error"]["param"] == "tokens"
     chat = policy_server.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
                                "top_logprobs": 2, "n": 2}, "/v1/chat/completions").json()
     assert len(chat["choices"]) == 2

@@ -107,7 +107,7 @@ def get(body: dict, name: str, kind: str, default=None):
     return v
 
 
-def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
+def token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
     if not isinstance(v, list) or not all(_KINDS["integer"](t) for t in v):
         raise bad(name, f"'{name}' must be an array of integer token ids")
     for t in v:
@@ -146,7 +146,7 @@ def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
         raise bad("stop", f"invalid type for 'stop': expected a string or an array of strings, got {_tname(stop)}")
     if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_LEN for s in stop):
         raise bad("stop", f"'stop' takes at most {MAX_STOP} non-empty strings of at most {MAX_STOP_LEN} characters")
-    stop_ids = _token_ids(body.get("stop_token_ids") or [], "stop_token_ids", vocab_size)
+    stop_ids = token_ids(body.get("stop_token_ids") or [], "stop_token_ids", vocab_size)
     for name in ("presence_penalty", "frequency_penalty"):
         if get(body, name, "number", 0.0) != 0:
             raise bad(name, f"'{name}' is not supported by this server (use 0)")
@@ -215,7 +215,7 @@ def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth
         elif isinstance(x, list):
             if not x:
                 raise bad("prompt", f"'{where}' is empty")
-            x = _token_ids(x, "prompt", vocab_size)
+            x = token_ids(x, "prompt", vocab_size)
         else:
             raise bad("prompt", f"invalid type for '{where}': expected a string or an array of token ids, got "
                                 f"{_tname(x)}")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
-/health, /metrics. `build_app` wraps an `AsyncEngine`; `infer.serve` is the command line.
+/health, /metrics, and vLLM's /tokenize, /detokenize, /tokenizer_info. `build_app` wraps an `AsyncEngine`; `infer.serve` is the command line.
 
 Extensions beyond OpenAI: request fields `exit_threshold`, `r_min`, `r_max` (the per-request exit
 policy), `top_k`, `stop_token_ids`, `ignore_eos`, `echo_logprobs_depth`; every choice (and every
@@ -14,6 +14,7 @@ What an echoed prompt token's log-prob means: see protocol.parse_completion.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import os
@@ -25,7 +26,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, Delta, Overloaded, RequestStream, merge
-from .protocol import APIError, GenRequest, bad, parse_chat, parse_completion, parse_json
+from .protocol import (APIError, GenRequest, bad, get, parse_chat, parse_completion, parse_json, render_chat,
+                       token_ids)
 
 
 def _usage(prompt_tokens: int, depths: list[int] | list[list[int]]) -> dict:
@@ -285,6 +287,45 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, "chat")
+
+    # vLLM's tokenizer endpoints (lm-eval's API models use them when no local tokenizer is given).
+    # The engine thread owns the engine's tokenizer; these use a copy of it, so the two threads
+    # never share one tokenizer object.
+    front_tok = copy.deepcopy(aeng.tokenizer) if aeng.tokenizer is not None else None
+
+    def need_tokenizer(request: Request):
+        auth(request)
+        if front_tok is None:
+            raise APIError(404, "this model has no tokenizer: send token ids", code="no_tokenizer")
+        return front_tok
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        tok = need_tokenizer(request)
+        body = parse_json(await _read_body(request, max_request_bytes))
+        special = get(body, "add_special_tokens", "boolean", True)
+        if "messages" in body:
+            text = render_chat(parse_chat({"messages": body["messages"]}, cfg.vocab_size, cfg.r_max).messages, tok)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            prompt = get(body, "prompt", "string")
+            if prompt is None:
+                raise bad("prompt", "'prompt' (a string) or 'messages' is required")
+            ids = tok.encode(prompt, add_special_tokens=special)
+        return {"count": len(ids), "max_model_len": cfg.max_position, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        tok = need_tokenizer(request)
+        body = parse_json(await _read_body(request, max_request_bytes))
+        return {"prompt": tok.decode(token_ids(body.get("tokens"), "tokens", cfg.vocab_size))}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        tok = need_tokenizer(request)
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": cfg.max_position}
 
     @app.get("/v1/models")
     async def models(request: Request):
