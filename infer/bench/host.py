@@ -33,7 +33,7 @@ from infer.engine.sampling import SamplingParams
 from infer.engine.sequence import Stage
 from looplm.presets import preset_config
 
-from .workloads import load_trace
+from .workloads import DATA, load_trace
 
 BATCHES = (16, 64, 256)
 MAX_POSITION = 4096
@@ -126,6 +126,36 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
             "attention": attn, "context_mean": sum(ctx) / batch}
 
 
+def detok_bench(n: int = 4000) -> dict:
+    """Seconds to detokenize one n-token output token by token: decoding the whole output at each
+    token (the engine before) vs incrementally (infer/engine/detokenizer.py), with a byte-level
+    BPE trained on the ShareGPT texts, and whether both give the same text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from infer.engine.detokenizer import IncrementalDetokenizer
+    texts = [json.loads(line)["prompt"] for line in (DATA / "sharegpt_text.jsonl").read_text().splitlines()[:400]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2048, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    ids = fast.encode(" ".join(texts))[:n]
+    t0 = time.perf_counter()
+    for i in range(1, n + 1):
+        full = fast.decode(ids[:i], skip_special_tokens=True)
+    t_full = time.perf_counter() - t0
+    d, grown = IncrementalDetokenizer(fast), []
+    t0 = time.perf_counter()
+    for t in ids:  # the engine passes the sequence's growing output list
+        grown.append(t)
+        d.update(grown)
+    inc = d.finish(grown)
+    t_inc = time.perf_counter() - t0
+    return {"tokens": len(ids), "full_decode_s": t_full, "incremental_s": t_inc, "same_text": inc == full,
+            "incremental_us_per_token": t_inc / len(ids) * 1e6, "full_decode_us_per_token": t_full / len(ids) * 1e6}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.bench_host", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
@@ -148,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             out["attention"][str(b)] = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed,
                                                count_attention=True)["attention"]
             out["context_mean"][str(b)] = cdb["context_mean"]
+    out["detokenize_4000"] = detok_bench(4000)
     text = json.dumps(out, indent=1)
     print(text)
     if a.out is not None:

@@ -40,6 +40,8 @@ from .offline import bounds_block, headline, modes_for, raw_from, summarize
 from .report import format_table, plot
 from .workloads import WORKLOADS, Request, describe, make_requests
 
+# The host benchmark's JSON (python -m infer.bench_host --out ...): the default per-stage overhead.
+HOST_JSON = Path(__file__).resolve().parents[2] / "docs" / "figures" / "bench_host.json"
 # Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results.md).
 ASSUMED_MEAN_DEPTH = {"ouro-1.4b": 2.5, "huginn-3.5b": 9.0}
 
@@ -55,6 +57,30 @@ class Call:
     context_sq: int = 0  # prefill: sum of squared prompt lengths (causal attention)
     r_max: int = 0  # fused: loop steps
     filled: int = 0  # coda: last_exited slots filled on exit (tokens x skipped depths)
+    rows_sdpa: int = 0  # decode: padded batch x bucketed longest context (the SDPA path's gather)
+    rows_paged: int = 0  # decode: whole blocks of each item's context (a paged kernel)
+
+
+class HostCost:
+    """Measured host time per stage call (`python -m infer.bench_host` JSON: median microseconds at
+    a few batch sizes), linear in the batch size between the measured points, flat outside them."""
+
+    def __init__(self, table: dict[str, dict[str, dict]]):
+        stages = {k for v in table.values() for k in v}
+        self.points = {k: sorted((int(b), v[k]["median"] * 1e-6) for b, v in table.items() if k in v) for k in stages}
+
+    @classmethod
+    def from_json(cls, path: Path) -> HostCost:
+        return cls(json.loads(Path(path).read_text())["host_us"])
+
+    def __call__(self, stage: Stage, batch: int) -> float:
+        pts = self.points[stage.value]
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if batch <= b1:
+                return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+        return pts[-1][1]
 
 
 class FittedCost:
@@ -78,16 +104,23 @@ class FittedCost:
 
 @dataclass
 class RooflineCost:
-    """Each stage call costs max(bytes / bandwidth, FLOPs / peak) + `overhead` (graph launch and
-    scheduling; CB's fused iteration is one launch). Bytes: the stage's weights once per call
-    (core weights once per loop step), the KV it reads (context tokens x its attention layers)
-    and writes. FLOPs: infer/bounds.py counts x the padded batch. Defaults: H100 SXM, bf16."""
+    """Each stage call costs max(bytes / bandwidth, FLOPs / peak) + an overhead: `host` (the
+    measured host time per stage and batch, HostCost) when given, else the constant `overhead`
+    (graph launch and scheduling; CB's fused iteration is one launch). Bytes: the stage's weights
+    once per call (core weights once per loop step), the KV it reads and writes. The KV read is
+    what the engine's decode attention reads (`attention`): "context" the ideal (each item's real
+    context), "paged" whole blocks of each context (a paged kernel over the block tables), "sdpa"
+    the gather to the batch's longest (bucketed) context, written once and read twice (gather,
+    then attention over the copy). FLOPs: infer/bounds.py counts x the padded batch. Defaults:
+    H100 SXM, bf16."""
     cfg: LoopConfig
     bandwidth: float = 3.35e12  # bytes/s
     peak_flops: float = 989e12  # dense bf16
     overhead: float = 20e-6  # seconds per stage call
     dtype_bytes: int = 2
     kv_layout: str = DEFAULT_LAYOUT
+    host: HostCost | None = None
+    attention: str = "context"
     params: dict = field(init=False)
 
     def __post_init__(self):
@@ -100,12 +133,16 @@ class RooflineCost:
         cfg, db = self.cfg, self.dtype_bytes
         layers = {Stage.PRELUDE: cfg.n_prelude, Stage.CORE: cfg.n_core, Stage.CODA: cfg.n_coda}[stage]
         kv = B.kv_bytes_per_token(cfg, layers, db)
-        nbytes = self.params[stage.value] * db + c.context * kv + c.padded * kv
+        rows = {"context": c.context, "paged": c.rows_paged or c.context, "sdpa": 3 * c.rows_sdpa or c.context}
+        nbytes = self.params[stage.value] * db + rows[self.attention] * kv + c.padded * kv
         if stage is Stage.PRELUDE:
             nbytes += c.padded * cfg.hidden_size * db  # embedding rows
         per_tok = B.stage_flops(cfg, 0)[stage.value]
         flops = c.padded * per_tok + 4 * cfg.num_heads * cfg.head_dim * c.context * layers
         return self._roof(nbytes, flops)
+
+    def _overhead(self, c: Call) -> float:
+        return self.host(c.stage, c.padded) if self.host is not None else self.overhead
 
     def __call__(self, c: Call) -> float:
         cfg, db = self.cfg, self.dtype_bytes
@@ -117,11 +154,11 @@ class RooflineCost:
             flops += 2 * cfg.num_heads * cfg.head_dim * c.context_sq * apps  # causal QK^T + AV
             nbytes = (self.params["prelude"] + cfg.r_max * self.params["core"] + self.params["coda"]) * db
             nbytes += c.tokens * B.kv_bytes_per_token(cfg, layout_class(self.kv_layout).slots_per_row(cfg), db)
-            return self._roof(nbytes, flops) + self.overhead
+            return self._roof(nbytes, flops) + self._overhead(c)
         if c.stage is Stage.FUSED:
             t = self._decode(Stage.PRELUDE, c) + c.r_max * self._decode(Stage.CORE, c) + self._decode(Stage.CODA, c)
-            return t + self.overhead
-        t = self._decode(c.stage, c) + self.overhead
+            return t + self._overhead(c)
+        t = self._decode(c.stage, c) + self._overhead(c)
         if c.filled and layout_class(self.kv_layout).depth_slots(cfg) > 1:
             # last_exited: on exit, each token's exit-depth K/V is copied into its skipped slots
             t += c.filled * B.kv_bytes_per_token(cfg, cfg.n_core, db) / self.bandwidth
@@ -187,8 +224,11 @@ class SimRunner:
             c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
         else:
             filled = sum(self.cfg.r_max - s.step for s in seqs) if work.stage is Stage.CODA else 0
-            c = Call(work.stage, n, self.padded(n), n, sum(s.num_tokens for s in seqs), r_max=work.r_max,
-                     filled=filled)
+            ctx = [s.num_tokens for s in seqs]
+            bs = self.blocks.block_size
+            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), -(-self.cfg.max_position // bs) * bs)
+            c = Call(work.stage, n, self.padded(n), n, sum(ctx), r_max=work.r_max, filled=filled,
+                     rows_sdpa=self.padded(n) * L, rows_paged=sum(-(-x // bs) * bs for x in ctx))
         t = self.cost(c)
         self.clock += t
         self.trace.append({"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens,
@@ -291,7 +331,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-layout", default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS))
     p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM; H200: 4.8e12)")
     p.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s")
-    p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call")
+    p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call "
+                   "(used without a host benchmark JSON)")
+    p.add_argument("--host-json", type=Path, default=HOST_JSON if HOST_JSON.exists() else None,
+                   help="per-stage host time measured by python -m infer.bench_host (default: "
+                        f"{HOST_JSON} when it exists); 'none' for the constant --overhead-us")
+    p.add_argument("--attention", default="sdpa", choices=("context", "paged", "sdpa"),
+                   help="decode attention's KV reads: the engine's SDPA gather (CUDA path today), a paged "
+                        "kernel, or the ideal real context")
     p.add_argument("--lookahead", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/sim"))
@@ -316,8 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = paper_config(a.model)
     mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
     probs = binomial_depths(cfg.r_max, mean)
+    host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
     cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,
-                        kv_layout=a.kv_layout)
+                        kv_layout=a.kv_layout, host=host, attention=a.attention)
     kvt = h100_kv_tokens(cfg, a.kv_layout)
     blocks = []
     for w in a.workloads:
@@ -329,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(blk))
         blocks.append(blk)
     meta = {"model": a.model, "config": cfg.name, "cost_model": "roofline", "bandwidth": cost.bandwidth,
-            "peak_flops": cost.peak_flops, "overhead_s": cost.overhead, "kv_cache_tokens": kvt,
+            "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
+            "host_json": str(a.host_json) if host else None, "attention": a.attention, "kv_cache_tokens": kvt,
             "max_batch_size": a.max_batch_size, "num_requests": a.num_requests,
             "exit_depth_distribution": probs, "mean_exit_depth_assumed": mean, "simulated": True,
             "command": "python -m infer.sim " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}

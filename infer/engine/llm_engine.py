@@ -14,11 +14,12 @@ import torch
 from kv_layouts import layout_class
 from looplm.errors import ParamError
 from looplm.model import LoopedLM
-from looplm.sampling import choose_token
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
 from .runner import ModelRunner, Runner
+from .sampler import Sampler
 from .sampling import SamplingParams, find_stop
 from .scheduler import Scheduler, Work
 from .sequence import Sequence, Stage
@@ -81,6 +82,8 @@ class LLMEngine:
         graphs = on_cuda if c.cuda_graphs is None else c.cuda_graphs
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=graphs)
+        self.sampler = Sampler(c.seed, model.device)
+        self._detok: dict[int, IncrementalDetokenizer] = {}  # by seq_id, while a request decodes
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -152,6 +155,7 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq, "abort")
+            self._detok.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -182,7 +186,7 @@ class LLMEngine:
         """Sample the next token of each sequence and check its stop conditions; returns the finish
         reason of each sequence (by seq_id) that stops."""
         seqs = work.seqs
-        greedy = logits.argmax(-1).tolist()
+        chosen = self.sampler(logits, seqs)  # one batched call, one device-to-host copy
         need_lp = any(s.params.logprobs for s in seqs)
         logp = torch.log_softmax(logits.double(), -1) if need_lp else None
         now = time.perf_counter()
@@ -190,13 +194,11 @@ class LLMEngine:
         finished = {}
         for i, s in enumerate(seqs):
             p = s.params
-            if s.forced is not None:
-                tok = s.forced[len(s.output_ids)]
-                s.forced_greedy = s.forced_greedy and tok == greedy[i]
-            elif p.temperature == 0:
-                tok = greedy[i]
-            else:
-                tok = choose_token(logits[i], p.temperature, p.top_k, p.top_p, s.generator)
+            tok = chosen[i]
+            if s.forced is not None:  # the sampler gave the argmax: was the forced token the greedy one?
+                forced = s.forced[len(s.output_ids)]
+                s.forced_greedy = s.forced_greedy and tok == forced
+                tok = forced
             d = {Stage.PREFILL: self.model.cfg.r_max, Stage.FUSED: work.r_max}.get(work.stage, s.step)
             s.output_ids.append(tok)
             s.exit_depths.append(d)
@@ -220,19 +222,28 @@ class LLMEngine:
 
     def _stop_reason(self, s: Sequence, tok: int) -> str | None:
         p = s.params
+        detok = self._detok.get(s.seq_id)
+        if detok is None and self.tokenizer is not None:
+            detok = self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer)
+        reason = None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            return "stop"
-        if self.tokenizer is not None:
-            s.text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
-            if p.stop:
+            reason = "stop"
+            if detok is not None:  # the text ends before the stop token
+                s.text = detok.finish(s.output_ids[:-1])
+        elif detok is not None:
+            s.text = detok.update(s.output_ids)
+            if p.stop:  # only the new tail can complete a stop string (find_stop starts near stop_checked)
                 i = find_stop(s.text, p.stop, s.stop_checked)
                 s.stop_checked = len(s.text)
                 if i != -1:
-                    s.text = s.text[:i]
-                    return "stop"
-        if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.model.cfg.max_position:
-            return "length"
-        return None
+                    s.text, reason = s.text[:i], "stop"
+        if reason is None and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.model.cfg.max_position):
+            reason = "length"
+            if detok is not None:
+                s.text = detok.finish(s.output_ids)
+        if reason is not None:
+            self._detok.pop(s.seq_id, None)
+        return reason
 
     def _record(self, work: Work) -> dict:
         """A trace row: the stage, its batch, and the context tokens it reads."""

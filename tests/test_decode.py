@@ -1,0 +1,102 @@
+"""The decode path's pieces against their oracles: batched sampling (seeded rows independent of
+their batch mates and equal to the reference's draw; unseeded rows vectorised with the same
+filters), incremental detokenization (same text and stop handling as decoding the whole output),
+and the persistent batch state (block tables that grow between stages, invalidated slots)."""
+import random
+
+import pytest
+import torch
+
+from infer import EngineConfig, LLMEngine, SamplingParams
+from infer.engine.sampler import sample_batched
+from looplm import tiny_model
+
+SEED = 7  # printed by pytest in the test ids of failures; fixed for reproducibility
+
+
+def model(arch="huginn-tiny"):
+    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3)
+
+
+def test_seeded_request_ignores_its_batch_mates():
+    m = model()
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_k=40, top_p=0.95, seed=11, ignore_eos=True)
+    alone = LLMEngine(m, EngineConfig(exit_threshold=0.55))
+    a = alone.add_request([5, 6, 7], seeded)
+    while alone.has_unfinished():
+        alone.step()
+    mixed = LLMEngine(m, EngineConfig(exit_threshold=0.55, max_batch_size=8))
+    rng = random.Random(SEED)
+    others = [mixed.add_request([rng.randrange(3, 256) for _ in range(rng.randint(1, 9))],
+                                SamplingParams(max_tokens=rng.randint(2, 10), ignore_eos=True,
+                                               temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5])))
+              for _ in range(5)]
+    b = mixed.add_request([5, 6, 7], seeded)
+    while mixed.has_unfinished():
+        mixed.step()
+    assert a.output_ids == b.output_ids and a.exit_depths == b.exit_depths
+    assert any(o.params.temperature > 0 for o in others)
+
+
+def test_batched_sampling_filters():
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(6, 50, generator=g, dtype=torch.float64)
+    n = 6
+    t = torch.full((n,), 0.8)
+    # top_k 1 and a tiny top_p leave only the argmax
+    one = sample_batched(logits, t, torch.ones(n, dtype=torch.long), torch.ones(n), g)
+    assert one.tolist() == logits.argmax(-1).tolist()
+    tiny = sample_batched(logits, t, torch.zeros(n, dtype=torch.long), torch.full((n,), 1e-6), g)
+    assert tiny.tolist() == logits.argmax(-1).tolist()
+    # top_k 5: every draw among the 5 largest
+    top5 = logits.topk(5).indices
+    for _ in range(20):
+        d = sample_batched(logits, t, torch.full((n,), 5), torch.ones(n), g)
+        assert all(int(d[i]) in top5[i].tolist() for i in range(n))
+    # the draw follows softmax(logits / T): a 3-token row sampled many times
+    row = torch.tensor([[2.0, 1.0, 0.0]]).expand(20000, 3)
+    d = sample_batched(row, torch.ones(20000), torch.zeros(20000, dtype=torch.long), torch.ones(20000), g)
+    freq = torch.bincount(d, minlength=3).double() / 20000
+    assert torch.allclose(freq, torch.softmax(row[0].double(), -1), atol=0.015)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from looplm.io import load_tokenizer
+    from train.tokenizer import save_tokenizer, train_bpe
+    text = "naïve café — 東京 spaces  and\ttabs, emoji 🙂🙂 and plain words repeated words " * 4
+    out = tmp_path_factory.mktemp("tok") / "tok"
+    save_tokenizer(train_bpe([text] * 10, vocab_size=300), out)
+    return load_tokenizer(out)
+
+
+def test_incremental_detokenizer_equals_full_decode(tokenizer):
+    from infer.engine.detokenizer import IncrementalDetokenizer
+    rng = random.Random(SEED)
+    V = len(tokenizer)
+    for trial in range(30):
+        ids = [rng.randrange(0, V) for _ in range(rng.randint(1, 60))]  # random ids split characters
+        d = IncrementalDetokenizer(tokenizer)
+        for n in range(1, len(ids) + 1):
+            part = d.update(ids[:n])
+            full = tokenizer.decode(ids[:n], skip_special_tokens=True)
+            assert full.startswith(part) and (full == part or full.endswith("\ufffd"))  # held back: a split character
+        assert d.finish(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_engine_text_and_stop_strings_match_full_decode(tokenizer):
+    m = tiny_model("ouro-tiny", dtype=torch.float64, std=0.15, seed=3, vocab_size=len(tokenizer))
+    eng = LLMEngine(m, EngineConfig(exit_threshold=0.55, max_batch_size=4), tokenizer=tokenizer)
+    free = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    full = tokenizer.decode(free.output_ids, skip_special_tokens=True)
+    assert eng.output(free).text == full and len(full) > 4
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    eng2 = LLMEngine(m, EngineConfig(exit_threshold=0.55, max_batch_size=4), tokenizer=tokenizer)
+    s = eng2.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))
+    while eng2.has_unfinished():
+        eng2.step()
+    out = eng2.output(s)
+    assert out.finish_reason == "stop" and out.text == full[:full.index(stop)]
+    assert tokenizer.decode(s.output_ids, skip_special_tokens=True).startswith(out.text + stop)
