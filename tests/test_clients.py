@@ -162,6 +162,20 @@ def test_completions_contract(policy_server):
     assert cs[0]["token_ids"] != cs[1]["token_ids"] or cs[2]["token_ids"] != cs[3]["token_ids"]  # n samples differ
     assert r["usage"]["prompt_tokens"] == len(cs[0]["prompt_token_ids"]) + len(ids)
     assert r["usage"]["completion_tokens"] == 12
+    # streaming several choices: chunks name their index; each choice's text equals the non-streamed one
+    body = {"prompt": [TEXT, ids], "n": 2, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    texts, usage = {}, None
+    with httpx.stream("POST", policy_server.url + "/v1/completions", json=body, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                usage = chunk.get("usage") or usage
+    whole = policy_server.post({**body, "stream": False, "stream_options": None}).json()
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]} and len(texts) == 4
+    assert usage["completion_tokens"] == whole["usage"]["completion_tokens"] == 20
     # vLLM's tokenizer endpoints (lm-eval's remote tokenizer: no local tokenizer needed)
     from looplm.io import load_tokenizer
     tok = load_tokenizer(DEMO)

@@ -220,7 +220,6 @@ def test_malformed_json_and_wrong_types(served):
              ("/v1/completions", '{"prompt": ["a", ""]}', "prompt"),
              ("/v1/completions", '{"prompt": "x", "n": 0}', "n"),
              ("/v1/completions", '{"prompt": "x", "n": 2, "best_of": 3}', "best_of"),
-             ("/v1/completions", '{"prompt": "x", "n": 2, "stream": true}', "n"),
              ("/v1/completions", '{"prompt": "x", "echo": true, "stream": true}', "echo"),
              ("/v1/completions", '{"prompt": "x", "max_tokens": 0}', "max_tokens"),
              ("/v1/completions", '{"prompt": "x", "logprobs": 50}', "logprobs"),

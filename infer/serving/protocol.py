@@ -177,8 +177,6 @@ def _n(body: dict, prompts: int) -> int:
         raise bad("best_of", f"'best_of' is not supported (only best_of = n, got best_of={best_of}, n={n})")
     if prompts * n > MAX_CHOICES:
         raise bad("n", f"at most {MAX_CHOICES} choices (prompts x n) per request, got {prompts * n}")
-    if n > 1 and body.get("stream") is True:
-        raise bad("n", "streaming returns one choice: use n=1 with 'stream' (or send several requests)")
     return n
 
 
@@ -220,8 +218,6 @@ def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth
             raise bad("prompt", f"invalid type for '{where}': expected a string or an array of token ids, got "
                                 f"{_tname(x)}")
         prompts.append(x)
-    if len(prompts) > 1 and stream:
-        raise bad("prompt", "streaming returns one choice: send one prompt per request with 'stream'")
     n = _n(body, len(prompts))
     echo = get(body, "echo", "boolean", False)
     if echo and stream:

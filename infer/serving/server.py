@@ -209,8 +209,9 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + streams[0].request_id,
                 "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": model_name}
-        if req.stream:  # one choice (protocol refuses n > 1, several prompts and echo with stream)
-            return StreamingResponse(_stream(req, jobs[0]["gen"], head), media_type="text/event-stream",
+        if req.stream:  # (protocol refuses echo with stream: every job has "gen" only)
+            gens = [job["gen"] for job in jobs]
+            return StreamingResponse(_stream(req, gens, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         collect = asyncio.ensure_future(asyncio.gather(*(_collect(req, s) for s in streams)))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -253,32 +254,51 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
             acc.logprobs = acc.tokens = acc.top = None
         return acc
 
-    async def _stream(req: GenRequest, stream: RequestStream, head: dict):
-        depths: list[int] = []
-        offset = 0
+    async def _stream(req: GenRequest, streams: list[RequestStream], head: dict):
+        """SSE chunks of every choice as they come (each chunk names its choice `index`)."""
+        depths: list[list[int]] = [[] for _ in streams]
+        offsets = [0] * len(streams)
+        prompt_tokens = sum(s.prompt_tokens for i, s in enumerate(streams) if i % req.n == 0)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            while True:
+                d = await s.next()
+                merged.put_nowait((i, d))
+                if d.done:
+                    return
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        failed = False
         try:
             if req.kind == "chat":
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            while True:
-                d = await stream.next()
+                for i in range(len(streams)):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+            left = len(streams)
+            while left:
+                i, d = await merged.get()
                 if d.error is not None:
                     yield _sse({"error": APIError(500, d.error, type_="internal_server_error").body()["error"]})
+                    failed = True
                     break
-                depths += d.exit_depths
-                chunk = {**head, "choices": [_choice(req.kind, d, stream=True, offset=offset, k=req.top_logprobs)]}
-                offset += len(d.text)
+                depths[i] += d.exit_depths
+                chunk = {**head, "choices": [_choice(req.kind, d, stream=True, offset=offsets[i], index=i,
+                                                     k=req.top_logprobs)]}
+                offsets[i] += len(d.text)
                 if d.finish_reason is not None:
-                    chunk["usage"] = _usage(stream.prompt_tokens, depths)
+                    left -= 1
+                    if len(streams) == 1:
+                        chunk["usage"] = _usage(prompt_tokens, depths[i])
                 yield _sse(chunk)
-                if d.done:
-                    break
-            if req.include_usage and d.error is None:
-                yield _sse({**head, "choices": [], "usage": _usage(stream.prompt_tokens, depths)})
+            if req.include_usage and not failed:
+                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, depths)})
             yield _sse("[DONE]")
-        finally:  # client gone mid-stream (cancelled here) or an error: free the request's KV
-            if not stream.finished:
-                aeng.abort(stream.request_id)
+        finally:  # client gone mid-stream (cancelled here) or an error: free the requests' KV
+            for p in pumps:
+                p.cancel()
+            for s in streams:
+                if not s.finished:
+                    aeng.abort(s.request_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
