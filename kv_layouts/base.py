@@ -63,5 +63,22 @@ class KVLayout:
             return rows
         return (step - 1) * (self.num_rows + 1) + rows
 
+    def _core_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every depth slot of `rows` in the core storage, depth slot major."""
+        slot = torch.arange(self.slots, device=rows.device)[:, None] * (self.num_rows + 1)
+        return (slot + rows[None, :]).reshape(-1)
+
+    def read_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of everything stored for `rows`: every prelude / coda layer and every depth slot
+        of every core layer (what a swapped-out request takes to host memory)."""
+        c = self._core_rows(rows)
+        return [self.k_plain[:, rows], self.v_plain[:, rows], self.k_core[:, c], self.v_core[:, c]]
+
+    def write_rows(self, rows: torch.Tensor, data: list[torch.Tensor]) -> None:
+        """Store `read_rows`' output at `rows` (possibly other rows than it was read from)."""
+        c = self._core_rows(rows)
+        for t, idx, d in zip((self.k_plain, self.v_plain, self.k_core, self.v_core), (rows, rows, c, c), data):
+            t[:, idx] = d.to(t.device, non_blocking=True)
+
     def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
         """Called once a decode token has left the loop at `depths` (its rows and exit depths)."""

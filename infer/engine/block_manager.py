@@ -1,9 +1,10 @@
 """KV memory bookkeeping: fixed-size blocks of KV rows, and per-sequence state slots. Pure Python.
 
-A request reserves the blocks for its whole possible length (prompt + max_tokens, capped by the
-context) when it is admitted, so a running request can never run out of KV and admission can
-never deadlock: a request that does not fit waits until others finish, and one that could never
-fit in the pool is rejected when it is added.
+Blocks are handed out on demand: a request gets the blocks of its prompt when it is admitted and
+one more block whenever its next token's row falls past its last block (`grow`). `seq.blocks` is
+the one block table; `row(blocks, pos)` maps a position to its KV row. When `grow` fails the
+scheduler preempts (swaps out) a request. With `reserve_kv` the scheduler instead allocates
+prompt + max_tokens at admission and `grow` never needs a block.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class BlockManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_allocate(self, tokens: int) -> bool:
-        return bool(self.free_slots) and self.blocks_for(tokens) <= len(self.free_blocks)
+    def can_allocate(self, tokens: int, keep_free: int = 0) -> bool:
+        """A slot and the blocks for `tokens` rows are free, leaving `keep_free` blocks free."""
+        return bool(self.free_slots) and self.blocks_for(tokens) + keep_free <= len(self.free_blocks)
 
     def allocate(self, tokens: int) -> tuple[list[int], int]:
         """Blocks for `tokens` rows and a state slot."""
@@ -30,6 +32,15 @@ class BlockManager:
         if not self.can_allocate(tokens):
             raise RuntimeError(f"cannot allocate {n} blocks (free {len(self.free_blocks)}) and a slot")
         return [self.free_blocks.popleft() for _ in range(n)], self.free_slots.popleft()
+
+    def grow(self, blocks: list[int], tokens: int) -> bool:
+        """Extend the block table `blocks` in place to hold `tokens` rows; False (and no change)
+        when not enough blocks are free."""
+        n = self.blocks_for(tokens) - len(blocks)
+        if n > len(self.free_blocks):
+            return False
+        blocks.extend(self.free_blocks.popleft() for _ in range(max(0, n)))
+        return True
 
     def free(self, blocks: list[int], slot: int) -> None:
         self.free_blocks.extend(blocks)

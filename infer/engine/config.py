@@ -34,9 +34,21 @@ class EngineConfig:
     kv_layout: str | None = _f(None, f"KV layout; default: the checkpoint's, else {DEFAULT_LAYOUT}")
     max_batch_size: int = _f(64, "sequences running at once (= state slots)")
     max_prefill_tokens: int = _f(2048, "prompt tokens per prefill batch (a longer prompt runs alone)")
-    kv_cache_tokens: int | None = _f(None, "KV pool size in tokens; default: every slot can fill the context")
+    kv_cache_tokens: int | None = _f(None, "KV pool size in tokens; default: sized from the device (see "
+                                           "gpu_memory_utilization, kv_cache_memory)")
     kv_cache_bytes: int | None = _f(None, "KV pool size in bytes (instead of kv_cache_tokens)")
+    kv_cache_memory: int | None = _f(None, "CPU: bytes of KV pool + state slots when no kv_cache_tokens / "
+                                           "kv_cache_bytes is given; default 512 MiB")
+    gpu_memory_utilization: float = _f(0.9, "CUDA: fraction of the device's memory for weights + activations + "
+                                            "KV pool (the pool gets what a worst-case dummy stage leaves)")
+    max_model_len: int | None = _f(None, "context cap (prompt + output); default: the checkpoint's, lowered to "
+                                         "what the KV pool holds")
     block_size: int = _f(16, "KV rows per block")
+    reserve_kv: bool = _f(False, "reserve prompt + max_tokens of KV at admission (no preemption) instead of "
+                                 "blocks on demand")
+    watermark: float = _f(0.01, "fraction of KV blocks that admission leaves free for running requests to grow")
+    swap_space: int | None = _f(None, "host bytes for preempted (swapped-out) requests; default: the KV pool's "
+                                      "size")
     exit_criterion: str | None = _f(None, "exit criterion; default: the checkpoint's")
     exit_threshold: float | None = _f(None, "exit threshold; default: the checkpoint's, else the criterion's")
     r_min: int | None = _f(None, "minimum exit depth; default: the checkpoint's")
@@ -59,10 +71,15 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ParamError(name, f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("kv_cache_tokens", "kv_cache_bytes"):
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "kv_cache_memory", "max_model_len", "swap_space"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ParamError(name, f"{name} must be a positive integer, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ParamError("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got "
+                                                       f"{self.gpu_memory_utilization!r}")
+        if not 0 <= self.watermark < 1:
+            raise ParamError("watermark", f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.pipeline and self.lookahead is False:
             raise ParamError("pipeline", "pipeline=True needs lookahead=True (the exit signal must come one step "
                                          "early)")
@@ -88,8 +105,12 @@ class EngineConfig:
         lookahead = self.lookahead if self.lookahead is not None else bool(cfg.exit_lookahead)
         pol = ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
                                      r_min=self.r_min, lookahead=lookahead)
+        if self.max_model_len is not None and self.max_model_len > cfg.max_position:
+            raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
+                                              f"of {cfg.max_position} tokens")
         return dataclasses.replace(self, kv_layout=layout, exit_criterion=pol.criterion,
-                                   exit_threshold=pol.threshold, r_min=pol.r_min, lookahead=pol.lookahead)
+                                   exit_threshold=pol.threshold, r_min=pol.r_min, lookahead=pol.lookahead,
+                                   max_model_len=self.max_model_len or cfg.max_position)
 
     @property
     def exits_disabled(self) -> bool:

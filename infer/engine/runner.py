@@ -17,6 +17,7 @@ device still runs this one (the lookahead pipeline).
 from __future__ import annotations
 
 from array import array
+from operator import is_
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -28,7 +29,8 @@ from looplm.model import LoopedLM
 from . import stages
 from .block_manager import BlockManager
 from .graphs import GraphCache
-from .scheduler import Scores, Work
+from .scheduler import Scores, SwapOp, Work
+from .swap import swap_ops
 from .sequence import Sequence, Stage
 from .stages import TokenBatch
 
@@ -116,29 +118,39 @@ class ModelRunner:
         self._j = torch.arange(self.bt.shape[1] * B, **long)  # context offsets, sliced per stage
         self._own: list[Sequence | None] = [None] * S
         self._hpos, self._nblk = [-1] * S, [0] * S
-        self._dirty, self._prev = True, (None, None, 0)  # see _upload's fast path
+        # slots whose sequence may have changed since its last upload (it emitted a token, grew a
+        # block, or was invalidated); the others are known to match the device
+        self._stale: set[int] = set()
+        self._prev: tuple = (None, None, 0)  # the last upload (seqs, slots, longest): see _upload
         self.attention_stats: dict | None = None  # see _count_attention
 
     def invalidate(self, slot: int) -> None:
         """Forget what the device holds for `slot` (its next stage rewrites it from the Sequence):
         call it when a sequence's block table or loop state changes behind the runner's back."""
-        self._own[slot], self._dirty = None, True
+        self._own[slot] = None
+        self._stale.add(slot)
 
     def _upload(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
         """Apply the batch's differences to the per-slot state with one host-to-device copy.
         Returns the padded batch's slots [N] (padding: the scratch slot) and its longest context.
-        A stage over the same sequences as the previous one, with no token emitted and no slot
-        invalidated in between (consecutive core steps), reuses the previous slots: no copy."""
-        if not self._dirty and seqs == self._prev[0]:  # identity compare, C speed
+        Only stale slots are compared with their Sequence; a stage over the same sequences as the
+        previous one with nothing stale (consecutive core steps) reuses the previous slots: no copy."""
+        stale, own, hpos, nblk = self._stale, self._own, self._hpos, self._nblk
+        slots = [s.slot for s in seqs]
+        fresh = stale.isdisjoint(slots)
+        if fresh and seqs == self._prev[0]:  # identity compare, C speed
             if self.attention_stats is not None:
                 self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
             return self._prev[1], self._prev[2]
-        own, hpos, nblk = self._own, self._hpos, self._nblk
+        check = seqs if not fresh or not all(map(is_, map(own.__getitem__, slots), seqs)) else ()
         upd: list[int] = []  # (slot, position, last token, loop step) of slots whose token changed
         bup: list[int] = []  # (flat index, block) of block-table entries the device lacks
-        longest, MB = 0, self.bt.shape[1]
-        for s in seqs:
+        MB = self.bt.shape[1]
+        for s in check:
             sl, out = s.slot, s.output_ids
+            if sl not in stale and own[sl] is s:
+                continue
+            stale.discard(sl)
             p = len(s.prompt_ids) + len(out) - 1
             if own[sl] is not s:  # a new sequence in this slot (admitted, swapped in, or invalidated)
                 own[sl], hpos[sl], nblk[sl] = s, -1, 0
@@ -150,10 +162,9 @@ class ModelRunner:
                 for c in range(nblk[sl] if nblk[sl] < len(blocks) else 0, len(blocks)):
                     bup += (sl * MB + c, blocks[c])
                 nblk[sl] = len(blocks)
-            if p > longest:
-                longest = p
+        longest = max(map(hpos.__getitem__, slots))
         n, N = len(seqs), self.padded(len(seqs))
-        buf = self._t(array("q", [s.slot for s in seqs] + [self.scratch_slot] * (N - n) + upd + bup))
+        buf = self._t(array("q", slots + [self.scratch_slot] * (N - n) + upd + bup))
         if upd:
             u = buf[N:N + len(upd)].view(-1, 4)
             self.slot_meta.index_copy_(0, u[:, 0], u[:, 1:])
@@ -162,7 +173,7 @@ class ModelRunner:
             self.bt.view(-1).index_copy_(0, b[:, 0], b[:, 1])
         if self.attention_stats is not None:
             self._count_attention(seqs, N, longest + 1)
-        self._dirty, self._prev = False, (seqs, buf[:N], longest + 1)
+        self._prev = (seqs, buf[:N], longest + 1)
         return buf[:N], longest + 1
 
     def _count_attention(self, seqs: list[Sequence], N: int, longest: int) -> None:
@@ -249,7 +260,7 @@ class ModelRunner:
     def run(self, work: Work) -> torch.Tensor | PendingScores | None:
         out = self._stages[work.stage](work)
         if work.stage.emits:  # tokens are appended (and blocks may grow) before the next stage
-            self._dirty = True
+            self._stale.update(s.slot for s in work.seqs)
         return out
 
     def _prelude(self, work: Work) -> None:
@@ -306,3 +317,13 @@ class ModelRunner:
 
     def prefill_body(self, batch: TokenBatch, last: torch.Tensor) -> torch.Tensor:
         return stages.prefill(self.model, self.layout, batch, last)
+
+    # ------------------------------------------------------------------ preemption (swap.py)
+    @torch.inference_mode()
+    def swap(self, ops: list[SwapOp]) -> None:
+        """Run the scheduler's swap operations in order (see infer/engine/swap.py)."""
+        host = self.__dict__.setdefault("_host_swap", {})
+        swap_ops(self, host, ops)
+        for op in ops:
+            if op.kind == "in":
+                self.invalidate(op.slot)  # its block table and loop state are rewritten at its next stage

@@ -14,6 +14,16 @@ tokens waiting for the coda). `schedule()` picks the next stage and its batch:
 Prefill batches hold at most `max_prefill_tokens` prompt tokens; a longer prompt is admitted
 alone (whole, never chunked: chunking would change the numbers under the shared layout).
 
+Memory (block_manager.py): admission (FIFO) gives a request its prompt's blocks, leaving a
+watermark free; a sequence that moves to the prelude queue gets the block of its next token's row
+first. When none is free, the most recently admitted running sequence is preempted: its blocks
+and slot are freed and a `SwapOp` tells the engine to copy its KV rows and per-slot state to host
+memory before the next stage runs (which may reuse them). Swapped sequences come back, oldest
+first and before any new admission, into fresh blocks, and re-enter the queue they left (the
+core queue too: the loop state travels with them). Exact for every layout: the numbers are
+copied, not recomputed. Host swap space is counted in blocks; when it is full the sequence that
+needs a block waits (`stalled`) while others run, unless nothing else could run.
+
 `postprocess(work, ...)` applies a stage's outcome: who moves to which queue, who finished. With
 the lookahead pipeline a core step's exit scores are read one core step late (while the next
 runs on the device); lookahead makes that exact, because the signal of step t already decides
@@ -41,6 +51,16 @@ class Scores(Protocol):
 
 
 @dataclass
+class SwapOp:
+    """Copy a sequence's KV `blocks` and state `slot` to host ("out"), from host into new blocks
+    and slot ("in"), or forget its host copy ("drop": aborted while swapped)."""
+    kind: str
+    seq: Sequence
+    blocks: list[int]
+    slot: int
+
+
+@dataclass
 class Work:
     stage: Stage
     seqs: list[Sequence]
@@ -48,8 +68,15 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_position: int, pipeline: bool = False):
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_position: int, pipeline: bool = False,
+                 swap_blocks: int | None = None):
         self.cfg, self.blocks, self.max_position, self.pipeline = cfg, blocks, max_position, pipeline
+        self.swap_blocks = blocks.num_blocks if swap_blocks is None else swap_blocks  # host budget, in blocks
+        self.watermark = 0 if cfg.reserve_kv else int(cfg.watermark * blocks.num_blocks)
+        self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
+        self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
+        self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
+        self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "swap_overcommits": 0}
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []
@@ -60,10 +87,19 @@ class Scheduler:
     # ---------------------------------------------------------------- state
     @property
     def num_running(self) -> int:
-        return len(self.prelude_q) + len(self.core_q) + len(self.coda_q)
+        """Sequences holding KV blocks and a state slot."""
+        return len(self.prelude_q) + len(self.core_q) + len(self.coda_q) + len(self.stalled)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.num_running > 0
+        return bool(self.waiting) or bool(self.swapped) or self.num_running > 0
+
+    @property
+    def swapped_blocks(self) -> int:
+        return sum(n for _, _, n in self.swapped)
+
+    def take_swaps(self) -> list[SwapOp]:
+        ops, self.swap_ops = self.swap_ops, []
+        return ops
 
     def queue_lengths(self) -> dict[str, int]:
         return {"waiting": len(self.waiting), "prelude": len(self.prelude_q), "core": len(self.core_q),
@@ -79,6 +115,13 @@ class Scheduler:
              Stage.CODA: self.coda_q}.get(seq.stage)
         if q is not None and seq in q:
             q.remove(seq)
+        if seq in self.stalled:
+            self.stalled.remove(seq)
+        for i, (s, _, _) in enumerate(self.swapped):
+            if s is seq:
+                del self.swapped[i]
+                self.swap_ops.append(SwapOp("drop", seq, [], -1))
+                break
         if seq.blocks or seq.slot >= 0:
             self.blocks.free(seq.blocks, seq.slot)
             seq.blocks, seq.slot = [], -1
@@ -87,6 +130,7 @@ class Scheduler:
     # ---------------------------------------------------------------- policy
     def schedule(self) -> Work | None:
         c = self.cfg
+        self._resume()
         if c.policy == "cb":
             work = self._prefill() or self._fused()
         elif not c.refill:
@@ -117,13 +161,13 @@ class Scheduler:
     def _prefill(self) -> Work | None:
         batch: list[Sequence] = []
         tokens = 0
-        while self.waiting and self.num_running + len(batch) < self.cfg.max_batch_size:
+        while self.waiting and not self.swapped and self.num_running + len(batch) < self.cfg.max_batch_size:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
             if batch and tokens + n > self.cfg.max_prefill_tokens:
                 break
-            need = seq.reserved_tokens(self.max_position)
-            if not self.blocks.can_allocate(need):
+            need = seq.reserved_tokens(self.max_position) if self.cfg.reserve_kv else n
+            if not self.blocks.can_allocate(need, self._keep_free(len(batch))):
                 break  # FIFO: the head waits for memory, nobody overtakes it
             seq.blocks, seq.slot = self.blocks.allocate(need)
             batch.append(self.waiting.popleft())
@@ -148,7 +192,11 @@ class Scheduler:
             for s in work.seqs:
                 if s.seq_id in finished:
                     self.finish(s, finished[s.seq_id])
-            self._move([s for s in work.seqs if s.seq_id not in finished], None, self.prelude_q, Stage.PRELUDE)
+            going = [s for s in work.seqs if s.seq_id not in finished]
+            self._move(going, None, self.prelude_q, Stage.PRELUDE)
+            for s in sorted(going, key=lambda s: s.seq_id):  # oldest first: it keeps its memory
+                if s in self.prelude_q:  # not preempted for an older one
+                    self._grow(s)
 
     def _after_core(self, seqs: list[Sequence], scores: Scores) -> None:
         """Advance every item one step, feed the exit trackers, move the items that exit to the coda
@@ -185,3 +233,62 @@ class Scheduler:
             for s in seqs:
                 s.stage = stage
             dst.extend(seqs)
+
+    # ---------------------------------------------------------------- memory
+    def _keep_free(self, admitted: int) -> int:
+        """Blocks admission leaves free for running sequences to grow (none if nothing runs)."""
+        return self.watermark if self.num_running + admitted > 0 else 0
+
+    def _grow(self, s: Sequence) -> None:
+        """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
+        recently admitted running sequences (possibly `s` itself) until one is free."""
+        while not self.blocks.grow(s.blocks, s.position + 1):
+            victim = max(self._holders(), key=lambda x: x.seq_id)
+            others_run = any(x is not victim for x in self.prelude_q + self.core_q + self.coda_q if x is not s)
+            if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
+                if others_run:  # swap space full: wait for a running sequence to finish
+                    self.prelude_q.remove(s)
+                    self.stalled.append(s)
+                    return
+                self.counters["swap_overcommits"] += 1  # nothing else could run: never deadlock
+            self._swap_out(victim)
+            if victim is s:
+                return
+
+    def _holders(self) -> list[Sequence]:
+        return self.prelude_q + self.core_q + self.coda_q + self.stalled
+
+    def _swap_out(self, s: Sequence) -> None:
+        if s.stage is Stage.CORE and self._pending is not None:
+            self._score(*self._pending)  # read its in-flight exit score now, while it is a core item
+        if s in self.stalled:
+            self.stalled.remove(s)
+        else:
+            q = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[s.stage]
+            q.remove(s)
+        self.swap_ops.append(SwapOp("out", s, s.blocks, s.slot))
+        self.blocks.free(s.blocks, s.slot)
+        self.swapped.append((s, s.stage, len(s.blocks)))
+        self.swapped.sort(key=lambda x: x[0].seq_id)
+        self.counters["preemptions"] += 1
+        self.counters["swapped_out_blocks"] += len(s.blocks)
+        s.blocks, s.slot = [], -1
+
+    def _resume(self) -> None:
+        """Before scheduling: stalled sequences take freed blocks, then swapped ones come back,
+        oldest first (FIFO; new admissions wait until none is swapped)."""
+        for s in list(self.stalled):
+            if not self.blocks.grow(s.blocks, s.position + 1):
+                break
+            self.stalled.remove(s)
+            self.prelude_q.append(s)
+        while self.swapped and not self.stalled:
+            s, stage, n = self.swapped[0]
+            if not self.blocks.can_allocate(s.position + 1, self._keep_free(0)):
+                break
+            s.blocks, s.slot = self.blocks.allocate(s.position + 1)
+            self.swapped.pop(0)
+            self.swap_ops.append(SwapOp("in", s, s.blocks, s.slot))
+            self.counters["swapped_in_blocks"] += n
+            {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[stage].append(s)
+            s.stage = stage

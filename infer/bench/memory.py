@@ -1,0 +1,107 @@
+"""Memory benchmark: declared vs actual length. Clients declare `max_tokens` 1024 while the real
+ShareGPT output lengths end them early (each request ends after its trace's output length, as a
+stop token there would: the bench aborts it right after that token, which frees its memory at
+the same point). The same pool is run with up-front reservation (`reserve_kv`: prompt + max_tokens
+at admission) and with blocks on demand (+ preemption by swapping). Prints JSON: mean running
+batch (over engine steps, weighted by stage time), output tok/s, preemptions, swap bytes.
+
+    python -m infer.bench_memory --model ouro-tiny --num-requests 64          # CPU, the demo model
+    python -m infer.bench_memory --model ouro-1.4b --sim --num-requests 400   # simulator, H100 shapes
+
+On the simulator swaps cost nothing (SimRunner moves no data): its preemption count and swap
+bytes are reported so that the cost can be judged (swap bytes / PCIe bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+
+from infer.engine.config import EngineConfig
+from infer.engine.llm import load_model
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.sampling import SamplingParams
+from looplm.presets import PAPER_MODELS, paper_config
+
+from .workloads import make_requests
+
+
+def run_one(eng: LLMEngine, reqs, max_tokens: int, clock) -> dict:
+    seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+            for i, r in enumerate(reqs)]
+    ends = {s.request_id: r.output_len for s, r in zip(seqs, reqs)}
+    t0, busy, tw = clock(), 0.0, 0.0
+    while eng.has_unfinished():
+        running = eng.scheduler.num_running
+        a = clock()
+        out = eng.step()
+        dt = clock() - a
+        busy += running * dt
+        tw += dt
+        for s in out:
+            if not s.finished and len(s.output_ids) >= ends[s.request_id]:
+                eng.abort(s.request_id)  # the trace's stop token
+    secs = clock() - t0
+    toks = sum(len(s.output_ids) for s in seqs)
+    m = eng.metrics()
+    return {"mean_running_batch": busy / max(tw, 1e-12), "output_tokens": toks, "seconds": secs,
+            "output_tok_per_s": toks / secs, **{k: m[k] for k in ("preemptions", "swapped_out_blocks", "swap_bytes",
+                                                                  "swap_overcommits", "kv_pool_tokens")}}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="ouro-tiny")
+    ap.add_argument("--sim", action="store_true", help="the simulator's H100 roofline cost model (paper shapes)")
+    ap.add_argument("--workload", default="sharegpt")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="default: 4096 on CPU, the H100's in the sim")
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--kv-layout", default="last_exited")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    base = dict(kv_layout=a.kv_layout, max_batch_size=a.max_batch_size, exit_threshold=0.5)
+    if a.sim:
+        from .sim import ASSUMED_MEAN_DEPTH, RooflineCost, SimModel, SimRunner, binomial_depths, \
+            depths_from_distribution, h100_kv_tokens
+        cfg = paper_config(a.model) if a.model in PAPER_MODELS else load_model(a.model)[0].cfg
+        reqs = make_requests(a.workload, a.num_requests, seed=a.seed, max_position=cfg.max_position)
+        depths = depths_from_distribution(binomial_depths(cfg.r_max, ASSUMED_MEAN_DEPTH.get(a.model, cfg.r_max / 2)),
+                                          reqs, a.seed)
+        kvt = a.kv_cache_tokens or h100_kv_tokens(cfg, a.kv_layout)
+        base.update(kv_cache_tokens=kvt, exit_criterion="learned", max_prefill_tokens=8192)
+
+        def engine(reserve):
+            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=a.kv_layout), depths=depths)
+            return LLMEngine(SimModel(cfg), EngineConfig(**base, reserve_kv=reserve), runner_cls=runner)
+
+        def clock_of(eng):
+            return lambda: eng.runner.clock
+    else:
+        model, _ = load_model(a.model)
+        cfg = model.cfg
+        reqs = make_requests(a.workload, a.num_requests, seed=a.seed, scale="auto", max_position=cfg.max_position,
+                             vocab_size=cfg.vocab_size)
+        base.update(kv_cache_tokens=a.kv_cache_tokens or 4096)
+
+        def engine(reserve):
+            return LLMEngine(model, EngineConfig(**base, reserve_kv=reserve))
+
+        def clock_of(eng):
+            return time.perf_counter
+    out = {"bench": "memory: declared vs actual length", "model": a.model, "simulated": a.sim,
+           "workload": a.workload, "num_requests": a.num_requests, "max_tokens": a.max_tokens, "settings": base,
+           "mean_trace_output_len": sum(r.output_len for r in reqs) / len(reqs)}
+    for name, reserve in (("reserve", True), ("on_demand", False)):
+        eng = engine(reserve)
+        out[name] = run_one(eng, reqs, a.max_tokens, clock_of(eng))
+    out["batch_ratio"] = out["on_demand"]["mean_running_batch"] / out["reserve"]["mean_running_batch"]
+    out["throughput_ratio"] = out["on_demand"]["output_tok_per_s"] / out["reserve"]["output_tok_per_s"]
+    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
