@@ -5,18 +5,19 @@ runner runs it, the engine samples a token for each sequence of a stage that end
 checks its stop conditions, and the scheduler applies the outcome to its queues."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kv_layouts import layout_class
 from looplm.errors import ParamError
 from looplm.model import LoopedLM
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .memory import fit_model_len, pool_blocks, state_slot_bytes
 from .detokenizer import IncrementalDetokenizer
 from .runner import ModelRunner, Runner
 from .sampler import Sampler
@@ -69,8 +70,13 @@ class LLMEngine:
         cfg = model.cfg
         self.config = c = (config or EngineConfig()).resolve(cfg)
         self.policy = c.exit_policy(cfg)
-        self.blocks = BlockManager(max(1, self._kv_rows(c, cfg, model.dtype) // c.block_size), c.block_size,
-                                   c.max_batch_size)
+        num_blocks, knob, self.kv_bytes_per_token = pool_blocks(model, c)
+        self.config = c = dataclasses.replace(c, max_model_len=fit_model_len(c, num_blocks * c.block_size, knob))
+        self.max_model_len = c.max_model_len
+        self.blocks = BlockManager(num_blocks, c.block_size, c.max_batch_size)
+        # bytes one swapped block moves (KV rows); a preemption also moves one state slot
+        self.block_bytes = c.block_size * self.kv_bytes_per_token
+        self.slot_bytes = state_slot_bytes(model, c.exit_criterion)
         on_cuda = model.device.type == "cuda"
         # Lookahead pipeline: the exit signal of step t decides step t+2, so a core step is launched
         # before the previous step's scores are read (Scheduler._after_core).
@@ -78,7 +84,8 @@ class LLMEngine:
         if self.pipeline and not c.lookahead:
             raise ParamError("pipeline", "pipeline=True needs lookahead=True (the exit signal must come one step "
                                          "early)")
-        self.scheduler = Scheduler(c, self.blocks, cfg.max_position, self.pipeline)
+        swap_blocks = None if c.swap_space is None else c.swap_space // self.block_bytes
+        self.scheduler = Scheduler(c, self.blocks, c.max_model_len, self.pipeline, swap_blocks)
         graphs = on_cuda if c.cuda_graphs is None else c.cuda_graphs
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=graphs)
@@ -91,14 +98,6 @@ class LLMEngine:
                                     getattr(tokenizer, "eos_token_id", None)] if t is not None}
         self.trace: list[dict] = []
         self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}}
-
-    @staticmethod
-    def _kv_rows(c: EngineConfig, cfg, dtype) -> int:
-        if c.kv_cache_tokens is not None:
-            return c.kv_cache_tokens
-        if c.kv_cache_bytes is not None:
-            return c.kv_cache_bytes // layout_class(c.kv_layout).bytes_per_row(cfg, dtype)
-        return c.max_batch_size * cfg.max_position
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -128,20 +127,23 @@ class LLMEngine:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
         if bad:
             raise ParamError("prompt", f"prompt has token id {bad[0]!r} outside the vocabulary [0, {cfg.vocab_size})")
-        if len(ids) >= cfg.max_position:
+        if len(ids) >= self.max_model_len:
             raise ParamError("prompt", f"prompt of {len(ids)} tokens does not fit the model's context of "
-                                       f"{cfg.max_position} tokens (at least one position must remain for the output)")
+                                       f"{self.max_model_len} tokens (max_model_len; at least one position must "
+                                       f"remain for the output)")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.seqs:
             raise ParamError("request_id", f"request id {rid!r} is already in use")
         policy = self.policy.override(threshold=params.exit_threshold, r_min=params.r_min, r_max=params.r_max)
         seq = Sequence(next(self._seq_ids), rid, ids, params, policy,
                        arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
+        # the pool must hold the whole request (prompt + max_tokens, capped by the checkpoint's
+        # context) so that it can run alone once everything else is preempted: no deadlock
         need = self.blocks.blocks_for(seq.reserved_tokens(cfg.max_position))
         if need > self.blocks.num_blocks:
             raise ParamError("max_tokens", f"request needs {need * self.blocks.block_size} KV tokens, more than the "
                                            f"whole pool ({self.blocks.num_blocks * self.blocks.block_size}); lower "
-                                           f"max_tokens or raise kv_cache_tokens")
+                                           f"max_tokens or raise kv_cache_tokens / kv_cache_memory")
         seq.text_prompt = text_prompt
         seq.forced = list(forced_output) if forced_output is not None else None
         seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
@@ -164,6 +166,11 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one stage. Returns the sequences that produced a token (or finished) in it."""
         work = self.scheduler.schedule()
+        ops = self.scheduler.take_swaps()
+        if ops:  # before the stage: it may write into the blocks a swap-out frees
+            swap = getattr(self.runner, "swap", None)  # a cost-model runner holds no data to move
+            if swap is not None:
+                swap(ops)
         if work is None:
             return []
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
@@ -237,7 +244,7 @@ class LLMEngine:
                 s.stop_checked = len(s.text)
                 if i != -1:
                     s.text, reason = s.text[:i], "stop"
-        if reason is None and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.model.cfg.max_position):
+        if reason is None and (len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len):
             reason = "length"
             if detok is not None:
                 s.text = detok.finish(s.output_ids)
@@ -285,4 +292,13 @@ class LLMEngine:
         return {"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
                 "kv_usage": b.usage, "kv_free_blocks": len(b.free_blocks), "kv_total_blocks": b.num_blocks,
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
-                "stage_calls": dict(self.stats["stage_calls"])}
+                "stage_calls": dict(self.stats["stage_calls"]), **self.memory_metrics()}
+
+    def memory_metrics(self) -> dict:
+        """KV pool and preemption counters (swap bytes: KV blocks + one state slot per copy)."""
+        sch, c = self.scheduler, self.scheduler.counters
+        moved = c["swapped_out_blocks"] + c["swapped_in_blocks"]
+        return {"kv_pool_tokens": self.blocks.num_blocks * self.blocks.block_size,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "max_model_len": self.max_model_len,
+                "swapped": len(sch.swapped), "stalled": len(sch.stalled), **c,
+                "swap_bytes": moved * self.block_bytes + 2 * c["preemptions"] * self.slot_bytes}
