@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
-import json
-import os
 import time
 from contextlib import asynccontextmanager
 
@@ -26,78 +24,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, Delta, Overloaded, RequestStream, merge
+from .metrics import render_metrics
 from .protocol import (APIError, GenRequest, bad, get, parse_chat, parse_completion, parse_json, render_chat,
                        token_ids)
-
-
-def _usage(prompt_tokens: int, depths: list[int] | list[list[int]]) -> dict:
-    """OpenAI usage, plus the mean exit depth of the decoded tokens (the first token of each choice
-    comes from the prefill, at full depth, and is left out as in the engine's mean)."""
-    per = depths if depths and isinstance(depths[0], list) else [depths]
-    n = sum(len(d) for d in per)
-    adaptive = [x for d in per for x in d[1:]]
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-            "mean_exit_depth": sum(adaptive) / len(adaptive) if adaptive else None}
-
-
-def _chat_top(top: dict[str, float], k: int) -> list[dict]:
-    best = sorted(top.items(), key=lambda kv: -kv[1])[:k]
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in best]
-
-
-def _logprobs(kind: str, d: Delta, offset: int, k: int = 0) -> dict | None:
-    if d.logprobs is None:
-        return None
-    if kind == "chat":
-        tops = d.top or [{}] * len(d.tokens)
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": _chat_top(top, k) if k else []}
-                            for t, lp, top in zip(d.tokens, d.logprobs, tops)]}
-    offsets = []
-    for t in d.tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": d.tokens, "token_logprobs": d.logprobs, "top_logprobs": d.top, "text_offset": offsets}
-
-
-def _echo(d: Delta | None, forced: Delta | None, r_max: int, drop_output: bool) -> Delta:
-    """One completion choice with `echo`: the prompt's text, tokens and log-probs, then the output's
-    (none with max_tokens 0). `forced` (echo_logprobs_depth "policy") is the teacher-forced scoring
-    of prompt[1:]; without it the prompt's log-probs are those of the full-depth prefill."""
-    if forced is not None:
-        p = forced.prompt
-        prompt_ids, text = p["token_ids"] + forced.token_ids, p["text"]
-        tokens, lps, tops = p["tokens"] + forced.tokens, [None] + forced.logprobs, [None] + forced.top
-        depths = [None] + forced.exit_depths
-    else:
-        p = d.prompt
-        prompt_ids, text, tokens, lps, tops = p["token_ids"], p["text"], p["tokens"], p["logprobs"], p["top"]
-        depths = [None] + [r_max] * (len(prompt_ids) - 1)  # the prefill runs at full depth
-    out = d if d is not None and not drop_output else Delta([], [], "", [], [], d.finish_reason if d else "length",
-                                                            top=[])
-    e = Delta(out.token_ids, out.exit_depths, text + out.text, lps + (out.logprobs or []),
-              tokens + (out.tokens or []), out.finish_reason, top=tops + (out.top or []))
-    e.prompt = {"token_ids": prompt_ids, "exit_depths": depths}
-    return e
-
-
-def _choice(kind: str, d: Delta, stream: bool, offset: int = 0, index: int = 0, k: int = 0) -> dict:
-    c = {"index": index}
-    if kind == "chat" and stream:
-        c["delta"] = {"content": d.text} if d.text or not d.finish_reason else {}
-    elif kind == "chat":
-        c["message"] = {"role": "assistant", "content": d.text}
-    else:
-        c["text"] = d.text
-    c.update(logprobs=_logprobs(kind, d, offset, k), finish_reason=d.finish_reason, token_ids=d.token_ids,
-             exit_depths=d.exit_depths)
-    if d.prompt is not None and "exit_depths" in d.prompt:  # echo
-        c.update(prompt_token_ids=d.prompt["token_ids"], prompt_exit_depths=d.prompt["exit_depths"])
-    return c
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+from .responses import choice, echo_choice, sse, usage
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -237,14 +167,14 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         for i, (job, r) in enumerate(zip(jobs, results)):
             d = r.get("gen")
             if req.echo:
-                d = _echo(d, r.get("forced"), cfg.r_max, drop_output=req.sampling["max_tokens"] == 0)
+                d = echo_choice(d, r.get("forced"), cfg.r_max, drop_output=req.sampling["max_tokens"] == 0)
                 if not req.logprobs:
                     d.logprobs = None
-            choices.append(_choice(kind, d, stream=False, index=i, k=req.top_logprobs))
+            choices.append(choice(kind, d, stream=False, index=i, k=req.top_logprobs))
             if i % req.n == 0:  # usage counts each prompt once (as vLLM does)
                 prompt_tokens += job["gen"].prompt_tokens if "gen" in job else len(d.prompt["token_ids"])
             depths.append(d.exit_depths)
-        return {**head, "choices": choices, "usage": _usage(prompt_tokens, depths)}
+        return {**head, "choices": choices, "usage": usage(prompt_tokens, depths)}
 
     async def _collect(req: GenRequest, stream: RequestStream) -> Delta:
         acc = Delta([], [], "", [], [], top=[])
@@ -272,27 +202,27 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             if req.kind == "chat":
                 for i in range(len(streams)):
-                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                    yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]})
             left = len(streams)
             while left:
                 i, d = await merged.get()
                 if d.error is not None:
-                    yield _sse({"error": APIError(500, d.error, type_="internal_server_error").body()["error"]})
+                    yield sse({"error": APIError(500, d.error, type_="internal_server_error").body()["error"]})
                     failed = True
                     break
                 depths[i] += d.exit_depths
-                chunk = {**head, "choices": [_choice(req.kind, d, stream=True, offset=offsets[i], index=i,
+                chunk = {**head, "choices": [choice(req.kind, d, stream=True, offset=offsets[i], index=i,
                                                      k=req.top_logprobs)]}
                 offsets[i] += len(d.text)
                 if d.finish_reason is not None:
                     left -= 1
                     if len(streams) == 1:
-                        chunk["usage"] = _usage(prompt_tokens, depths[i])
-                yield _sse(chunk)
+                        chunk["usage"] = usage(prompt_tokens, depths[i])
+                yield sse(chunk)
             if req.include_usage and not failed:
-                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, depths)})
-            yield _sse("[DONE]")
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, depths)})
+            yield sse("[DONE]")
         finally:  # client gone mid-stream (cancelled here) or an error: free the requests' KV
             for p in pumps:
                 p.cancel()
@@ -367,68 +297,3 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
-_RENDERED_ENGINE_KEYS = {"running", "queues", "kv_usage", "kv_free_blocks", "kv_total_blocks", "kv_all_free",
-                         "mean_exit_depth", "stage_calls", "waiting"}
-
-
-def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
-    """Prometheus text exposition of the engine snapshot (taken after every stage)."""
-    s, c = aeng.snapshot, aeng.snapshot["counters"]
-    lab = 'model_name="{}"'.format(model_name.replace("\\", "\\\\").replace('"', '\\"'))
-    rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-        ("cdb_num_requests_running", "gauge", "Requests holding a slot (prelude, core or coda queue).",
-         [("", s["running"])]),
-        ("cdb_num_requests_waiting", "gauge", "Requests waiting for prefill (slot / KV memory).",
-         [("", s["waiting"])]),
-        ("cdb_queue_length", "gauge", "Length of each of the four queues.",
-         [(f'stage="{k}"', v) for k, v in s["queues"].items()]),
-        ("cdb_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).", [("", s["kv_usage"])]),
-        ("cdb_kv_cache_free_blocks", "gauge", "Free KV blocks.", [("", s["kv_free_blocks"])]),
-        ("cdb_kv_cache_total_blocks", "gauge", "KV blocks in the pool.", [("", s["kv_total_blocks"])]),
-        ("cdb_kv_cache_all_free", "gauge", "1 when every KV block and state slot is free.",
-         [("", int(s["kv_all_free"]))]),
-        ("cdb_generation_tokens_per_second", "gauge", f"Output tokens/s over the last {aeng.rate_window_s:g} s.",
-         [("", s["tokens_per_s"])]),
-        ("cdb_mean_exit_depth", "gauge", "Mean exit depth (loop steps) of decoded tokens since start.",
-         [("", s["mean_exit_depth"])]),
-        ("cdb_prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", c["prompt_tokens"])]),
-        ("cdb_generation_tokens_total", "counter", "Output tokens generated.", [("", c["generation_tokens"])]),
-        ("cdb_request_success_total", "counter", "Finished requests by finish reason.",
-         [(f'finished_reason="{k}"', v) for k, v in c["requests_finished"].items()]),
-        ("cdb_request_failure_total", "counter", "Requests failed by an internal error.",
-         [("", c["requests_failed"])]),
-        ("cdb_request_rejected_total", "counter", "Requests refused with 503 (waiting queue full).",
-         [("", c["requests_rejected"])]),
-        ("cdb_request_aborted_total", "counter", "Requests aborted before they finished (client gone, shutdown).",
-         [("", c["requests_aborted"])]),
-        ("cdb_engine_step_errors_total", "counter", "Engine stages that raised.", [("", c["step_errors"])]),
-        ("cdb_stage_calls_total", "counter", "Stages run, by kind.",
-         [(f'stage="{k}"', v) for k, v in s["stage_calls"].items()]),
-        ("cdb_engine_alive", "gauge", "1 while the engine thread runs.", [("", int(aeng.alive))]),
-        ("process_resident_memory_bytes", "gauge", "Resident memory of the server process.", [("", _rss_bytes())]),
-    ]
-    # every other number LLMEngine.metrics() reports (preemptions, swaps, prefix-cache hits, ...)
-    # shows up as a gauge without being wired here
-    for k in s.get("engine_keys", ()):
-        v = s.get(k)
-        if k not in _RENDERED_ENGINE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool):
-            rows.append((f"cdb_{k}", "gauge", f"LLMEngine.metrics()['{k}'].", [("", v)]))
-    if info:
-        rows.append(("cdb_info", "gauge", "Engine configuration.",
-                     [(",".join(f'{k}="{v}"' for k, v in info.items()), 1)]))
-    out = []
-    for name, kind, help_, samples in rows:
-        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        for labels, v in samples:
-            out.append(f"{name}{{{lab}{',' + labels if labels else ''}}} {float(v):.9g}")
-    return "\n".join(out) + "\n"
