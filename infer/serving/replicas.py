@@ -185,6 +185,9 @@ def build_ingress(handle, board, retries: int = 2, max_request_bytes: int = 1 <<
                 failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 await asyncio.sleep(0.2 * attempt)
                 continue
+            except Exception as e:  # a bug, not a death: retrying would repeat it
+                return _error(500, f"internal error in the replica: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[-1] if str(e) else ''}", "internal_server_error")
             if attempt:
                 headers.append((RETRIED, str(attempt)))
             return StreamingResponse(_rest(gen, first), status_code=status, headers=dict(headers))
