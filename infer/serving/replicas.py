@@ -274,8 +274,8 @@ def start(a: argparse.Namespace):
     opts = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": a.threads or 1}
     if a.ray_address:
         ray.init(address=a.ray_address)
-    else:  # a local cluster: no dashboard, and the replicas' cores only
-        ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, a.replicas * opts["num_cpus"]))
+    else:  # a local cluster (all of this machine's cores and GPUs), no dashboard
+        ray.init(include_dashboard=False)
     kind, each = ("GPU", 1) if cuda else ("CPU", opts["num_cpus"])
     have = ray.cluster_resources().get(kind, 0)
     if have < a.replicas * each:
