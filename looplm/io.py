@@ -170,7 +170,7 @@ def load_tokenizer(path: str | os.PathLike):
     folder = Path(path)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         logging.getLogger("looplm").warning(
-            "warning: %s has no tokenizer (tokenizer.json / tokenizer_config.json): text prompts, stop strings "
+            "%s has no tokenizer (tokenizer.json / tokenizer_config.json): text prompts, stop strings "
             "and chat are unavailable; send token ids", folder)
         return None
     from transformers import AutoTokenizer
