@@ -281,9 +281,11 @@ def test_cli_bad_input_is_one_error_line(cmd, needle, broken, tmp_path):
     assert needle in errors[0], errors
 
 
-def test_missing_tokenizer_is_a_warning_at_server_start():
+def test_missing_tokenizer_is_a_warning_at_load_and_server_start(tmp_path):
+    for name in ("config.json", "model.safetensors"):  # a checkpoint folder without tokenizer files
+        (tmp_path / name).write_bytes((DEMO / name).read_bytes())
     s = Server.__new__(Server)
-    s.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", "ouro-tiny", "--port", "0"], cwd=ROOT,
+    s.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", str(tmp_path), "--port", "0"], cwd=ROOT,
                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     while not any("on http://" in ln for ln in lines):
@@ -291,7 +293,8 @@ def test_missing_tokenizer_is_a_warning_at_server_start():
         assert line, "".join(lines)
         lines.append(line)
     s.stop()
-    assert any(ln.startswith("warning:") and "no tokenizer" in ln for ln in lines), lines
+    assert any(ln.startswith("warning:") and "no tokenizer" in ln for ln in lines), lines  # at server start
+    assert any(f"{tmp_path} has no tokenizer" in ln for ln in lines), lines  # at load (looplm.io), naming the folder
 
 
 def test_debug_shows_the_traceback(broken):
