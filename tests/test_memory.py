@@ -50,17 +50,17 @@ CASES = [(m, lay, la) for m, lay, la in itertools.product(MODES, LAYOUTS, [False
 
 @pytest.mark.parametrize("mode,layout,lookahead", CASES)
 def test_preemption_is_exact(mode, layout, lookahead):
-    """A pool of 6 blocks x 4 tokens: most requests are swapped out at least once (in every queue,
+    """A pool of 5 blocks x 4 tokens: most requests are swapped out at least once (in every queue,
     mid-loop included); tokens, exit depths and log-probs equal an ample pool's."""
     arch = "huginn-tiny" if hash((mode, layout)) % 2 else "ouro-tiny"
     seed = sum(map(ord, mode + layout)) + lookahead
     print("seed", seed, arch)
     rng = random.Random(seed)
-    reqs = [([rng.randrange(1, 256) for _ in range(rng.randint(2, 8))], rng.randint(6, 12)) for _ in range(6)]
+    reqs = [([rng.randrange(1, 256) for _ in range(rng.randint(2, 8))], rng.randint(5, 10)) for _ in range(5)]
     base = dict(kv_layout=layout, max_batch_size=8, exit_threshold=0.55, lookahead=lookahead, block_size=4,
                 pipeline=lookahead and mode != "cb", **MODES[mode])
     ample = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=1024, **base))
-    small = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=24, watermark=0.0, **base))
+    small = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=20, watermark=0.0, **base))
     want, got = run(ample, reqs, seed), run(small, reqs, seed)
     m = small.metrics()
     assert ample.metrics()["preemptions"] == 0 and m["preemptions"] >= len(reqs) // 2, m
@@ -82,7 +82,8 @@ def test_swap_space_full_waits_never_drops():
     want = run(LLMEngine(m, EngineConfig(**{**cfg, "kv_cache_tokens": 1024})), reqs, 7)
     eng = LLMEngine(m, EngineConfig(**cfg, swap_space=1))
     got = run(eng, reqs, 7)
-    assert eng.metrics()["preemptions"] > 0 and eng.scheduler.counters["swap_overcommits"] >= 0
+    m = eng.metrics()
+    assert m["stalls"] + m["swap_overcommits"] > 0 and m["swapped_out_blocks"] <= m["swap_overcommits"] * 6
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert eng.blocks.all_free
 

@@ -76,7 +76,8 @@ class Scheduler:
         self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
         self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
         self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
-        self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "swap_overcommits": 0}
+        self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
+                         "swap_overcommits": 0}
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []
@@ -247,6 +248,7 @@ class Scheduler:
             others_run = any(x is not victim for x in self.prelude_q + self.core_q + self.coda_q if x is not s)
             if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
                 if others_run:  # swap space full: wait for a running sequence to finish
+                    self.counters["stalls"] += 1
                     self.prelude_q.remove(s)
                     self.stalled.append(s)
                     return
