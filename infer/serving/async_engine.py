@@ -252,11 +252,11 @@ class AsyncEngine:
             raise APIError(400, f"this model's context is {ctx} tokens, but the {field_} has {len(ids)} tokens and "
                                 f"max_tokens is {params['max_tokens']} ({len(ids) + params['max_tokens']} in all); "
                                 f"lower max_tokens", "max_tokens", code="context_length_exceeded")
-        if teacher_force and len(ids) > 1:  # score prompt[1:] through the exit policy
+        forced = None
+        if teacher_force:  # score prompt[1:] through the exit policy (a 1-token prompt has nothing to score)
             params = {**params, "prompt_logprobs": 0, "logprobs": True}
-            ids, forced = ids[:1], ids[1:]
-        else:
-            forced = None
+            if len(ids) > 1:
+                ids, forced = ids[:1], ids[1:]
         try:
             sp = SamplingParams(**params)
             self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival, forced_output=forced)
@@ -334,7 +334,7 @@ class AsyncEngine:
             else:  # the chosen token only (OpenAI's logprobs=0)
                 top = [{t: lp} for t, lp in zip(toks, lps)]
         if n0 == 0 and ids and s.params.prompt_logprobs is not None:
-            echo = {"text": pub.echo_text, "token_ids": list(s.prompt_ids),
+            echo = {"text": pub.echo_text, "token_ids": list(s.prompt_ids), "forced": s.forced is not None,
                     "tokens": [self._tokstr(t) for t in s.prompt_ids], "logprobs": list(s.prompt_logprobs),
                     "top": [None if d is None else self._tops(d) for d in s.prompt_top_logprobs]}
         visible = s.text

@@ -41,13 +41,13 @@ def echo_choice(d: Delta | None, forced: Delta | None, r_max: int, drop_output: 
     """One completion choice with `echo`: the prompt's text, tokens and log-probs, then the output's
     (none with max_tokens 0). `forced` (echo_logprobs_depth "policy") is the teacher-forced scoring
     of prompt[1:]; without it the prompt's log-probs are those of the full-depth prefill."""
-    if forced is not None:
+    if forced is not None and forced.prompt["forced"]:
         p = forced.prompt
         prompt_ids, text = p["token_ids"] + forced.token_ids, p["text"]
         tokens, lps, tops = p["tokens"] + forced.tokens, [None] + forced.logprobs, [None] + forced.top
         depths = [None] + forced.exit_depths
-    else:
-        p = d.prompt
+    else:  # (a 1-token prompt under "policy" has nothing to force: its scoring request is a plain prefill)
+        p = (forced or d).prompt
         prompt_ids, text, tokens, lps, tops = p["token_ids"], p["text"], p["tokens"], p["logprobs"], p["top"]
         depths = [None] + [r_max] * (len(prompt_ids) - 1)  # the prefill runs at full depth
     out = d if d is not None and not drop_output else Delta([], [], "", [], [], d.finish_reason if d else "length",
