@@ -6,6 +6,7 @@ that starts Ray checks that no Ray process of its own (found by its RAY_TMPDIR) 
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def ray_tmp(monkeypatch):
     monkeypatch.setenv("RAY_TMPDIR", d)
     yield d
     assert_ray_gone(d)
+    shutil.rmtree(d, ignore_errors=True)  # Ray's session logs
 
 
 # ---------------------------------------------------------------- the two servers
@@ -103,7 +105,9 @@ def replicas():
         p.kill()
         rc = "timeout"
     assert_ray_gone(tmp)
-    assert rc == 0, f"exit {rc}:\n{log.read_text()[-3000:]}"
+    text = log.read_text()
+    shutil.rmtree(tmp, ignore_errors=True)  # Ray's session logs
+    assert rc == 0, f"exit {rc}:\n{text[-3000:]}"
 
 
 @pytest.fixture(scope="module")
