@@ -100,3 +100,27 @@ def test_engine_text_and_stop_strings_match_full_decode(tokenizer):
     out = eng2.output(s)
     assert out.finish_reason == "stop" and out.text == full[:full.index(stop)]
     assert tokenizer.decode(s.output_ids, skip_special_tokens=True).startswith(out.text + stop)
+
+
+@pytest.mark.parametrize("arch,layout,mode", [("ouro-tiny", "last_exited", dict(policy="cdb", min_coda_batch=2)),
+                                              ("huginn-tiny", "shared", dict(policy="cdb", refill=False))])
+def test_paged_attention_equals_reference(arch, layout, mode):
+    """Decode attention through the block tables (eager FlexAttention on CPU) gives the reference
+    decoder's tokens and depths in float64, with blocks that grow between stages."""
+    from infer.engine.reference import reference_generate
+    from looplm import ExitPolicy
+    m = model(arch)
+    rng = random.Random(SEED)
+    reqs = [([rng.randrange(3, 256) for _ in range(rng.randint(1, 9))], rng.randint(2, 8)) for _ in range(4)]
+    full = mode["policy"] == "cb"
+    pol = ExitPolicy.from_config(m.cfg, threshold=0.55, full_depth=full)
+    refs = [reference_generate(m, p, n, pol, kv_layout=layout) for p, n in reqs]
+    eng = LLMEngine(m, EngineConfig(kv_layout=layout, exit_threshold=0.55, max_batch_size=3, block_size=4,
+                                    kv_cache_tokens=64, **mode))
+    eng.runner.enable_paged(compile=False)
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in reqs]
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_ids for s in seqs] == [r.token_ids for r in refs]
+    assert [s.exit_depths for s in seqs] == [r.exit_depths for r in refs]
+    assert full or len({d for s in seqs for d in s.exit_depths}) >= 2

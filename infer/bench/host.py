@@ -50,10 +50,12 @@ class BenchModel:
 
 
 class NoopRunner(ModelRunner):
-    """ModelRunner with no-op kernels over the real metadata path."""
+    """ModelRunner with no-op kernels over the real metadata path. The layout's on-exit KV fill
+    (last_exited) is a kernel too: skipped (on CUDA it also synchronises, see docs/results.md)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
+        self.layout.on_exit = lambda rows, depths: None
         N, V = self.padded(self.max_batch_size), self.cfg.vocab_size
         self._scores = torch.zeros(N, dtype=torch.float32, device=self.device)
         self._logits = torch.zeros(N, V, dtype=torch.float32, device=self.device)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "attention": {}, "context_mean": {},
                  "command": "python -m infer.bench_host " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "note": "model math removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
+                 "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
                          "fused; microseconds of CPU per engine step"}
     with torch.inference_mode():
         for b in a.batches:

@@ -32,7 +32,7 @@ from .graphs import GraphCache
 from .scheduler import Scores, SwapOp, Work
 from .swap import swap_ops
 from .sequence import Sequence, Stage
-from .stages import TokenBatch
+from .stages import PagedContext, TokenBatch
 
 
 @runtime_checkable
@@ -116,6 +116,14 @@ class ModelRunner:
         self.pos, self.tok, self.step = self.slot_meta.unbind(1)
         self.bt = torch.zeros(S, -(-self.cfg.max_position // B), **long)  # the scratch slot's table stays 0
         self._j = torch.arange(self.bt.shape[1] * B, **long)  # context offsets, sliced per stage
+        # paged attention (stages.paged_attention): decode attention reads each item's own blocks
+        # through the block tables instead of gathering every context to the longest. Off by
+        # default: on CUDA it needs scripts/gpu_check.py's parity and speed check first.
+        self.paged = False
+        self.flex = None  # a compiled flex_attention for paged attention on CUDA (set by enable_paged)
+        # inverse page table: each block's index in its owner's table (one entry more: the block of
+        # the layout's scratch row); stale entries of freed blocks are harmless (see PagedContext)
+        self.page_index = torch.zeros(self.blocks.num_blocks + 1, **long)
         self._own: list[Sequence | None] = [None] * S
         self._hpos, self._nblk = [-1] * S, [0] * S
         # slots whose sequence may have changed since its last upload (it emitted a token, grew a
@@ -171,6 +179,8 @@ class ModelRunner:
         if bup:
             b = buf[N + len(upd):].view(-1, 2)
             self.bt.view(-1).index_copy_(0, b[:, 0], b[:, 1])
+            if self.paged:
+                self.page_index.index_copy_(0, b[:, 1], b[:, 0] % MB)
         if self.attention_stats is not None:
             self._count_attention(seqs, N, longest + 1)
         self._prev = (seqs, buf[:N], longest + 1)
@@ -207,11 +217,26 @@ class ModelRunner:
         graph when graphs are used): ids, positions, rows, loop steps, context rows [N, nb * B]."""
         B = self.blocks.block_size
         pos = self.pos[slots]
-        j = self._j[: nb * B]
-        ctx_rows = self.bt[slots][:, :nb][:, j // B] * B + j % B
         steps = self.step[slots] + 1 if stage is Stage.CORE else torch.ones_like(pos)
-        return TokenBatch(ids=self.tok[slots], positions=pos, rows=self._rows(slots, pos), steps=steps,
-                          ctx_rows=ctx_rows, ctx_len=pos + 1)
+        batch = TokenBatch(ids=self.tok[slots], positions=pos, rows=self._rows(slots, pos), steps=steps,
+                           ctx_len=pos + 1)
+        if self.paged:
+            batch.paged = PagedContext(self.bt[slots][:, :nb], self.page_index, B, flex=self.flex)
+        else:
+            j = self._j[: nb * B]
+            batch.ctx_rows = self.bt[slots][:, :nb][:, j // B] * B + j % B
+        return batch
+
+    def enable_paged(self, compile: bool | None = None) -> None:
+        """Switch decode attention to paged FlexAttention (compiled on CUDA unless `compile` is
+        False). Block tables already on the device get their inverse page table rebuilt."""
+        self.paged = True
+        if compile if compile is not None else self.device.type == "cuda":
+            from torch.nn.attention.flex_attention import flex_attention
+            self.flex = torch.compile(flex_attention, dynamic=False)
+        for sl, n in enumerate(self._nblk):  # re-upload every table at its next stage
+            if n:
+                self.invalidate(sl)
 
     def body(self, stage: Stage, slots: torch.Tensor, nb: int, r_max: int = 0) -> torch.Tensor | None:
         """One decode stage over a padded batch (`slots` [N], `nb` context blocks), reading and

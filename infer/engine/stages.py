@@ -6,7 +6,10 @@ depths. Attention writes each token's K/V into the KV layout first, then reads:
 - prefill (`seq_ids` set): the fresh K/V of the same prompt, causally (depth-major prefill: at
   step s every prompt position attends to the prompt's step-s K/V); nothing is read from the cache;
 - decode (`ctx_rows` set): the layout's slots for positions 0..pos of its own sequence, at its own
-  loop step (depth-indexed) or the last written state (shared).
+  loop step (depth-indexed) or the last written state (shared). Two implementations with the same
+  numbers: the gather of every item's context to the batch's longest one then SDPA (the CPU path
+  and the oracle; it reads N x L_max rows and writes a copy), and `paged_attention` (`paged` set:
+  FlexAttention over the block tables, reading only each item's own blocks).
 """
 from __future__ import annotations
 
@@ -22,6 +25,19 @@ from looplm.model import LoopedLM
 
 
 @dataclass
+class PagedContext:
+    """Decode context as block tables, for attention that reads only each item's own blocks
+    (`paged_attention`): the items' block tables [N, nb] and an inverse page table (the logical
+    index of each physical block in its owner's table). The mask checks every page against the
+    item's own table, so a stale inverse entry (a freed block) can never let an item read it."""
+    block_table: torch.Tensor  # [N, nb] physical blocks of each item's context
+    page_index: torch.Tensor  # [num_blocks + 1] logical block index of each physical block
+    block_size: int
+    q_block: int = 16  # items per query tile of the kernel
+    flex: object = None  # flex_attention, compiled (CUDA); None: the eager one
+
+
+@dataclass
 class TokenBatch:
     ids: torch.Tensor  # [N] token ids (read by the prelude)
     positions: torch.Tensor  # [N]
@@ -30,6 +46,7 @@ class TokenBatch:
     seq_ids: torch.Tensor | None = None  # prefill: [N] which prompt each token belongs to
     ctx_rows: torch.Tensor | None = None  # decode: [N, L] rows of positions 0..pos (padded)
     ctx_len: torch.Tensor | None = None  # decode: [N] valid entries of ctx_rows
+    paged: PagedContext | None = None  # decode: attend through the block tables (paged_attention)
     # memoised per batch (they depend on positions / context only, not on the loop step), so a
     # runner that reuses a batch across consecutive core steps computes them once
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
@@ -58,7 +75,8 @@ class KVAttention:
 
     def __init__(self, layout: KVLayout, batch: TokenBatch, step: int | None = None):
         self.layout, self.batch, self.step = layout, batch, step
-        self.mask = batch.mask()
+        self.mask = batch.mask() if batch.paged is None else None
+        self._masks: dict = {}  # paged: block masks by (depth slots, step override)
 
     def steps(self) -> torch.Tensor:
         return self.batch.steps if self.step is None else torch.full_like(self.batch.steps, self.step)
@@ -76,6 +94,14 @@ class KVAttention:
                 y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                    v.transpose(0, 1)[None], attn_mask=self.mask, enable_gqa=gqa)
                 return y[0].transpose(0, 1)
+            if b.paged is not None:
+                core = stage == "core" and lay.slots > 1
+                n_slots = lay.slots if core else 1
+                depth = steps - 1 if core else torch.zeros_like(steps)
+                key = (n_slots, self.step)  # one mask per stage and depth (fused: per loop step)
+                if key not in self._masks:
+                    self._masks[key] = paged_mask(b.paged, b.positions, depth, n_slots, kc.shape[0] // n_slots)
+                return paged_attention(q, kc, vc, depth, n_slots, self._masks[key], b.paged.flex)
             cidx = lay.index(stage, steps[:, None], b.ctx_rows)  # [N, L]
             K, V = kc[cidx].transpose(1, 2), vc[cidx].transpose(1, 2)  # [N, KV, L, D]
             y = F.scaled_dot_product_attention(q[:, :, None, :], K.to(q.dtype), V.to(q.dtype),
@@ -134,3 +160,58 @@ def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int) -> t
         state = model.core_step(state, inj, rope, att)
     att.step = None
     return model.head(model.coda(state, rope, att))
+
+
+def paged_mask(ctx: PagedContext, positions: torch.Tensor, depth: torch.Tensor, depth_slots: int, R: int):
+    """The block-sparse FlexAttention mask of one decode stage (shared by every layer that reads the
+    same depth slots): per depth slot and query tile of `q_block` items, the tile's pages at that
+    depth, valid ones first. `depth` [N]: the 0-based depth slot each item reads; R: rows per slot."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B, QB, dev = ctx.block_size, ctx.q_block, positions.device
+    N, nb = ctx.block_table.shape
+    pad = -(-N // QB) * QB - N
+    z = lambda t, v=0: torch.cat([t, t.new_full((pad, *t.shape[1:]), v)]) if pad else t  # noqa: E731
+    valid = z(torch.arange(nb, device=dev)[None, :] * B <= positions[:, None])  # [Np, nb] pages in the context
+    bt, pos_q, depth_q = z(ctx.block_table), z(positions), z(depth)
+    at = valid[None] & (depth_q[None, :, None] == torch.arange(depth_slots, device=dev)[:, None, None])
+    at = at.view(depth_slots, -1, QB * nb)
+    order = torch.sort(at.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    pages = bt.view(-1, QB * nb).expand(depth_slots, -1, -1).gather(-1, order)
+    num = at.sum(-1, dtype=torch.int32)
+    nkv = -(-R // B)  # the mask's KV block axis spans the whole storage; only the first `num` are read
+    if pages.shape[-1] >= nkv:
+        pages = pages[..., :nkv]  # a tile's valid pages are distinct blocks: at most nkv of them
+    else:
+        pages = torch.cat([pages, pages.new_zeros(*pages.shape[:-1], nkv - pages.shape[-1])], -1)
+    index = ctx.page_index
+
+    def mask_mod(b, h, qi, kv):
+        page = kv // B
+        li = index[page]
+        return (bt[qi, li.clamp(max=nb - 1)] == page) & (li * B + kv % B <= pos_q[qi]) & (depth_q[qi] == b)
+
+    return BlockMask.from_kv_blocks(num[:, None], pages[:, None].to(torch.int32), BLOCK_SIZE=(QB, B),
+                                    mask_mod=mask_mod, seq_lengths=(N + pad, R))
+
+
+def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, depth: torch.Tensor, depth_slots: int,
+                    mask, flex=None) -> torch.Tensor:
+    """Decode attention over the KV layout's flat storage without gathering it: FlexAttention with
+    the block-sparse `mask` (paged_mask) whose KV blocks are the items' own pages. q [N, H, D];
+    kc, vc [depth_slots * R, KV, D]. The storage is viewed as [depth_slots, KV, R, D] (the depth
+    slot is the batch dimension, so pages stay block-aligned) and each item's query sits in the
+    batch of its depth slot; a query tile reads the union of its items' pages, so the KV read per
+    stage is the sum of the contexts rounded up to whole blocks. `flex` is flex_attention (compiled
+    on CUDA); by default it runs eagerly (the CPU test path: exact, but it materialises scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    N, H, D = q.shape
+    R, KV = kc.shape[0] // depth_slots, kc.shape[1]
+    K = kc.view(depth_slots, R, KV, D).transpose(1, 2)  # views: no copy of the cache
+    V = vc.view(depth_slots, R, KV, D).transpose(1, 2)
+    Np = mask.shape[-2]
+    Q = q.transpose(0, 1)  # [H, N, D]
+    if Np > N:
+        Q = torch.cat([Q, Q.new_zeros(H, Np - N, D)], 1)
+    Q = Q[None].expand(depth_slots, -1, -1, -1)
+    y = (flex or flex_attention)(Q, K, V, block_mask=mask, enable_gqa=H != KV)
+    return y[depth, :, torch.arange(N, device=q.device)]  # [N, H, D]
