@@ -174,9 +174,9 @@ def paged_mask(ctx: PagedContext, positions: torch.Tensor, depth: torch.Tensor, 
     valid = z(torch.arange(nb, device=dev)[None, :] * B <= positions[:, None])  # [Np, nb] pages in the context
     bt, pos_q, depth_q = z(ctx.block_table), z(positions), z(depth)
     at = valid[None] & (depth_q[None, :, None] == torch.arange(depth_slots, device=dev)[:, None, None])
-    at = at.view(depth_slots, -1, QB * nb)
+    at = at.reshape(depth_slots, -1, QB * nb)
     order = torch.sort(at.to(torch.int8), dim=-1, descending=True, stable=True).indices
-    pages = bt.view(-1, QB * nb).expand(depth_slots, -1, -1).gather(-1, order)
+    pages = bt.reshape(-1, QB * nb).expand(depth_slots, -1, -1).gather(-1, order)
     num = at.sum(-1, dtype=torch.int32)
     nkv = -(-R // B)  # the mask's KV block axis spans the whole storage; only the first `num` are read
     if pages.shape[-1] >= nkv:
