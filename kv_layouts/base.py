@@ -16,6 +16,9 @@ from looplm.config import LoopConfig
 class KVLayout:
     name = "base"
     disables_exits = False  # a layout for runs where every token runs every loop step
+    # every loop step of a position keeps its own K/V, so a prompt chunk reads the earlier chunks at
+    # its own step: chunked prefill equals the whole-prompt prefill (not so with one shared slot)
+    depth_slots_exact = False
 
     @classmethod
     def depth_slots(cls, cfg: LoopConfig) -> int:

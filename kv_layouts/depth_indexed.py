@@ -14,6 +14,7 @@ from .base import KVLayout
 
 class DepthIndexedKV(KVLayout):
     name = "last_exited"
+    depth_slots_exact = True
 
     @classmethod
     def depth_slots(cls, cfg) -> int:

@@ -20,6 +20,7 @@ from looplm.errors import ParamError
 from looplm.policy import ExitPolicy
 
 POLICIES = ("cb", "cdb")
+PREFILL_MODES = ("mixed", "separate")
 
 
 def _f(default, help: str):
@@ -33,7 +34,14 @@ class EngineConfig:
     min_coda_batch: int = _f(1, "cdb refill: exits that must wait before a coda runs (the paper's K)")
     kv_layout: str | None = _f(None, f"KV layout; default: the checkpoint's, else {DEFAULT_LAYOUT}")
     max_batch_size: int = _f(64, "sequences running at once (= state slots)")
-    max_prefill_tokens: int = _f(2048, "prompt tokens per prefill batch (a longer prompt runs alone)")
+    max_prefill_tokens: int = _f(2048, "token budget per launch (vLLM's max_num_batched_tokens). mixed prefill: "
+                                       "prompt tokens + decode items per launch, longer prompts are chunked where "
+                                       "exact; separate: prompt tokens per prefill batch (a longer prompt runs alone)")
+    prefill: str = _f("mixed", "mixed: prompts (or chunks) ride in the decode launches (prelude / core / coda; CB: "
+                               "the fused iteration); separate: whole prompts in prefill launches of their own")
+    chunked_prefill: bool | None = _f(None, "mixed prefill: split prompts longer than the budget into chunks; "
+                                            "default: on for the depth-indexed layouts; not exact (refused) with "
+                                            "shared, which keeps prompts whole")
     kv_cache_tokens: int | None = _f(None, "KV pool size in tokens; default: sized from the device (see "
                                            "gpu_memory_utilization, kv_cache_memory)")
     kv_cache_bytes: int | None = _f(None, "KV pool size in bytes (instead of kv_cache_tokens)")
@@ -67,6 +75,9 @@ class EngineConfig:
             raise ParamError("policy", f"unknown policy {self.policy!r}; supported: {POLICIES}")
         if self.kv_layout is not None:
             layout_class(self.kv_layout)
+        if self.prefill not in PREFILL_MODES:
+            raise ParamError("prefill", f"unknown prefill {self.prefill!r}; supported: {PREFILL_MODES}")
+        check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
         for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -108,9 +119,17 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > cfg.max_position:
             raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
                                               f"of {cfg.max_position} tokens")
+        check_chunking(layout, self.chunked_prefill, self.prefill)
         return dataclasses.replace(self, kv_layout=layout, exit_criterion=pol.criterion,
                                    exit_threshold=pol.threshold, r_min=pol.r_min, lookahead=pol.lookahead,
                                    max_model_len=self.max_model_len or cfg.max_position)
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        """Whether mixed prefill splits long prompts: exact only where a chunk can read the earlier
+        chunks at its own loop step (depth-indexed layouts); `shared` keeps prompts whole."""
+        layout = self.kv_layout or DEFAULT_LAYOUT
+        return self.chunked_prefill if self.chunked_prefill is not None else layout_class(layout).depth_slots_exact
 
     @property
     def exits_disabled(self) -> bool:
@@ -128,12 +147,22 @@ class EngineConfig:
         return {**dataclasses.asdict(self), "exits_disabled": self.exits_disabled}
 
 
+def check_chunking(kv_layout: str | None, chunked_prefill: bool | None, prefill: str) -> None:
+    if chunked_prefill and kv_layout is not None and not layout_class(kv_layout).depth_slots_exact:
+        raise ParamError("chunked_prefill", f"chunked_prefill=True is not exact with kv_layout={kv_layout!r}: an "
+                                            "earlier chunk's positions would be read at their final depth instead "
+                                            "of the current loop step; this layout keeps prompts whole")
+    if chunked_prefill and prefill != "mixed":
+        raise ParamError("chunked_prefill", "chunked_prefill needs prefill='mixed' (separate prefill runs whole "
+                                            "prompts)")
+
+
 def is_full_depth(policy: str = "cdb", kv_layout: str = DEFAULT_LAYOUT, full_depth: bool = False) -> bool:
     """Whether every decode token runs all r_max loop steps."""
     return full_depth or policy == "cb" or layout_class(kv_layout).disables_exits
 
 
-_CHOICES = {"policy": POLICIES, "kv_layout": tuple(LAYOUTS), "exit_criterion": CRITERIA}
+_CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "kv_layout": tuple(LAYOUTS), "exit_criterion": CRITERIA}
 _TYPES = {"str": str, "int": int, "float": float}
 
 

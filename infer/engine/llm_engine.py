@@ -85,7 +85,7 @@ class LLMEngine:
             raise ParamError("pipeline", "pipeline=True needs lookahead=True (the exit signal must come one step "
                                          "early)")
         swap_blocks = None if c.swap_space is None else c.swap_space // self.block_bytes
-        self.scheduler = Scheduler(c, self.blocks, c.max_model_len, self.pipeline, swap_blocks)
+        self.scheduler = Scheduler(c, self.blocks, c.max_model_len, self.pipeline, swap_blocks, r_full=cfg.r_max)
         graphs = on_cuda if c.cuda_graphs is None else c.cuda_graphs
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=graphs)
@@ -187,26 +187,28 @@ class LLMEngine:
                 torch.cuda.synchronize()
             record["seconds"] = time.perf_counter() - t0
             self.trace.append(record)
-        return work.seqs if work.stage.emits else []
+        return work.seqs + work.finals if work.stage.emits else []
 
     def _emit(self, work: Work, logits: torch.Tensor) -> dict[int, str]:
         """Sample the next token of each sequence and check its stop conditions; returns the finish
         reason of each sequence (by seq_id) that stops."""
-        seqs = work.seqs
+        seqs = work.seqs + work.finals  # finals: prompt chunks whose first token this launch samples
         chosen = self.sampler(logits, seqs)  # one batched call, one device-to-host copy
         need_lp = any(s.params.logprobs for s in seqs)
         logp = torch.log_softmax(logits.double(), -1) if need_lp else None
         now = time.perf_counter()
-        decode = work.stage is not Stage.PREFILL  # the prefill's token is at full depth by design
+        n_decode = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # the prefill's tokens: full depth
+        r_full = self.model.cfg.r_max
         finished = {}
         for i, s in enumerate(seqs):
+            decode = i < n_decode
             p = s.params
             tok = chosen[i]
             if s.forced is not None:  # the sampler gave the argmax: was the forced token the greedy one?
                 forced = s.forced[len(s.output_ids)]
                 s.forced_greedy = s.forced_greedy and tok == forced
                 tok = forced
-            d = {Stage.PREFILL: self.model.cfg.r_max, Stage.FUSED: work.r_max}.get(work.stage, s.step)
+            d = r_full if not decode else work.r_max if work.stage is Stage.FUSED else s.step
             s.output_ids.append(tok)
             s.exit_depths.append(d)
             s.token_times.append(now)
@@ -256,11 +258,14 @@ class LLMEngine:
         """A trace row: the stage, its batch, and the context tokens it reads."""
         n = len(work.seqs)
         if work.stage is Stage.PREFILL:
-            ctx = tokens = sum(len(s.prompt_ids) for s in work.seqs)
+            ctx = tokens = prompt = sum(len(s.prompt_ids) for s in work.seqs)
         else:
             ctx, tokens = sum(s.num_tokens for s in work.seqs), n
+            prompt = sum(s.chunk[1] - s.chunk[0] for s in work.chunks)
         return {"stage": work.stage.value, "batch": n,
-                "padded": n if work.stage is Stage.PREFILL else self.runner.padded(n), "tokens": tokens, "context": ctx}
+                "padded": n if work.stage is Stage.PREFILL or not n else self.runner.padded(n), "tokens": tokens,
+                "context": ctx, "prompt_tokens": prompt, "chunks": len(work.chunks) if work.chunks else
+                (n if work.stage is Stage.PREFILL else 0)}
 
     # ------------------------------------------------------------------ outputs
     def output(self, s: Sequence) -> RequestOutput:

@@ -26,7 +26,7 @@ from kv_layouts import make_layout
 from looplm.exits import initial_aux
 from looplm.model import LoopedLM
 
-from . import stages
+from . import mixed, stages
 from .block_manager import BlockManager
 from .graphs import GraphCache
 from .scheduler import Scores, SwapOp, Work
@@ -283,7 +283,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ stages
     @torch.inference_mode()
     def run(self, work: Work) -> torch.Tensor | PendingScores | None:
-        out = self._stages[work.stage](work)
+        # a launch with prompt chunks riding along runs the mixed path (mixed.py), eagerly
+        if work.chunks:
+            out = self._mixed_core(work) if work.stage is Stage.CORE else mixed.run(self, work)
+        else:
+            out = self._stages[work.stage](work)
         if work.stage.emits:  # tokens are appended (and blocks may grow) before the next stage
             self._stale.update(s.slot for s in work.seqs)
         return out
@@ -295,6 +299,9 @@ class ModelRunner:
         """One loop step for every item, each at its own depth."""
         scores, n = self._decode(Stage.CORE, work.seqs)
         return PendingScores(scores, n)
+
+    def _mixed_core(self, work: Work) -> PendingScores:
+        return PendingScores(mixed.run(self, work), len(work.seqs))
 
     def _coda(self, work: Work) -> torch.Tensor:
         # the layout's on-exit hook (last_exited fill) first: nothing has read the skipped slots yet

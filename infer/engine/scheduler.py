@@ -11,8 +11,14 @@ tokens waiting for the coda). `schedule()` picks the next stage and its batch:
   tokens leave the batch), then one coda; new requests are prefilled between cohorts.
 - `cdb`, refill=True: right after a prefill or a coda, the prelude; else the coda once at least
   `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step.
-Prefill batches hold at most `max_prefill_tokens` prompt tokens; a longer prompt is admitted
-alone (whole, never chunked: chunking would change the numbers under the shared layout).
+With `prefill="mixed"` (the default) prompts do not get launches of their own: a prompt, or a
+chunk of one, rides in the prelude, core and coda launches (CB: the fused iteration) alongside the
+decode items (chunks.py has the admission rule and the token budget). Where the separate stage
+would have run (cb: before a fused iteration; cdb: before a prelude; refill: before a core step),
+the waiting prompts join a prelude (fused) launch instead; a finished chunk counts as K exits (its
+coda gives the prompt's first token). The refill priorities for decode items are unchanged.
+With `prefill="separate"` whole prompts run in their own prefill launches of at most
+`max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
 
 Memory (block_manager.py): admission (FIFO) gives a request its prompt's blocks, leaving a
 watermark free; a sequence that moves to the prelude queue gets the block of its next token's row
@@ -32,12 +38,13 @@ who exits after step t+1.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from looplm.policy import ExitTracker
 
 from .block_manager import BlockManager
+from .chunks import ChunkQueues, final_chunks
 from .sequence import Sequence, Stage
 
 if TYPE_CHECKING:
@@ -63,13 +70,15 @@ class SwapOp:
 @dataclass
 class Work:
     stage: Stage
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # decode items (PREFILL: whole prompts)
     r_max: int = 0  # FUSED: the loop steps of this iteration
+    chunks: list[Sequence] = field(default_factory=list)  # mixed prefill: prompt chunks riding along
+    finals: list[Sequence] = field(default_factory=list)  # the chunks whose first token this launch samples
 
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_position: int, pipeline: bool = False,
-                 swap_blocks: int | None = None):
+                 swap_blocks: int | None = None, r_full: int = 0):
         self.cfg, self.blocks, self.max_position, self.pipeline = cfg, blocks, max_position, pipeline
         self.swap_blocks = blocks.num_blocks if swap_blocks is None else swap_blocks  # host budget, in blocks
         self.watermark = 0 if cfg.reserve_kv else int(cfg.watermark * blocks.num_blocks)
@@ -78,6 +87,9 @@ class Scheduler:
         self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
         self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
                          "swap_overcommits": 0}
+        # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
+        self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill_enabled, r_full, blocks, max_position,
+                                   cfg.reserve_kv) if cfg.prefill == "mixed" else None)
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []
@@ -88,8 +100,9 @@ class Scheduler:
     # ---------------------------------------------------------------- state
     @property
     def num_running(self) -> int:
-        """Sequences holding KV blocks and a state slot."""
-        return len(self.prelude_q) + len(self.core_q) + len(self.coda_q) + len(self.stalled)
+        """Sequences holding KV blocks and a state slot: decoding, stalled, or prefilling in chunks."""
+        return (len(self.prelude_q) + len(self.core_q) + len(self.coda_q) + len(self.stalled) +
+                (self.chunks.held if self.chunks else 0))
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.swapped) or self.num_running > 0
@@ -123,6 +136,8 @@ class Scheduler:
                 del self.swapped[i]
                 self.swap_ops.append(SwapOp("drop", seq, [], -1))
                 break
+        if self.chunks is not None:
+            self.chunks.drop(seq)
         if seq.blocks or seq.slot >= 0:
             self.blocks.free(seq.blocks, seq.slot)
             seq.blocks, seq.slot = [], -1
@@ -132,7 +147,9 @@ class Scheduler:
     def schedule(self) -> Work | None:
         c = self.cfg
         self._resume()
-        if c.policy == "cb":
+        if self.chunks is not None:
+            work = self._schedule_mixed()
+        elif c.policy == "cb":
             work = self._prefill() or self._fused()
         elif not c.refill:
             work = (self._take(Stage.CORE) or self._take(Stage.CODA) or self._prefill() or
@@ -147,9 +164,55 @@ class Scheduler:
             self.last_stage = work.stage
         return work
 
+    def _schedule_mixed(self) -> Work | None:
+        """The same priorities with prompt chunks riding in the decode launches (module docstring)."""
+        c, ch = self.cfg, self.chunks.at
+        if c.policy == "cb":
+            return self._fused_mixed()
+        if not c.refill:
+            return self._take(Stage.CORE) or self._take(Stage.CODA) or self._prelude_mixed()
+        if self.last_stage is Stage.CODA and (self.prelude_q or ch[Stage.PRELUDE]):
+            return self._prelude_mixed()
+        if (self.coda_q or ch[Stage.CODA]) and (len(self.coda_q) >= c.min_coda_batch or ch[Stage.CODA]
+                                               or not (self.core_q or ch[Stage.CORE])):
+            return self._take(Stage.CODA)
+        return self._prelude_mixed(admit_only=True) or self._take(Stage.CORE) or self._prelude_mixed()
+
+    def _admit(self) -> list[Sequence]:
+        decode = len(self.prelude_q) + len(self.core_q) + len(self.coda_q)
+        # swapped sequences come back before any new admission (FIFO); admission leaves the watermark
+        return self.chunks.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
+                                 new=not self.swapped, keep_free=self._keep_free)
+
+    def _prelude_mixed(self, admit_only: bool = False) -> Work | None:
+        """A prelude launch: the decode tokens waiting for it, the chunks admitted before, and the
+        chunks admitted now. `admit_only`: only if a new chunk was admitted."""
+        if not self._admit() and admit_only:
+            return None
+        return self._take(Stage.PRELUDE)
+
+    def _fused_mixed(self) -> Work | None:
+        """CB with prompts inside the fused iteration (vLLM's chunked prefill): the iteration runs at
+        the model's r_max when prompts ride along; a group of requests that asked for a lower r_max
+        runs without them (round robin, as in `_fused`)."""
+        r_full = self.chunks.r_full
+        group = self._fused()
+        if group is not None and group.r_max != r_full:
+            return group
+        self._admit()
+        chunks = list(self.chunks.at[Stage.PRELUDE])  # under CB a chunk is admitted and done in one launch
+        if group is None and not chunks:
+            return None
+        work = group or Work(Stage.FUSED, [], r_max=r_full)
+        work.chunks, work.finals = chunks, final_chunks(chunks)
+        return work
+
     def _take(self, stage: Stage) -> Work | None:
         q = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[stage]
-        return Work(stage, list(q)) if q else None
+        chunks = list(self.chunks.at[stage]) if self.chunks is not None else []
+        if not q and not chunks:
+            return None
+        return Work(stage, list(q), chunks=chunks, finals=final_chunks(chunks) if stage is Stage.CODA else [])
 
     def _fused(self) -> Work | None:
         """CB runs one depth per iteration: the running sequences that share the r_max of the one
@@ -179,6 +242,7 @@ class Scheduler:
     def postprocess(self, work: Work, scores: Scores | None = None, finished: dict[int, str] | None = None) -> None:
         """Apply a stage's outcome. CORE: its exit `scores`; stages that emit a token: `finished`
         maps the seq_id of each sequence that stopped to its finish reason; the rest decode on."""
+        done = self.chunks.after(work.stage, work.chunks) if self.chunks is not None else []
         if work.stage is Stage.PRELUDE:
             self._move(work.seqs, self.prelude_q, self.core_q, Stage.CORE)
             for s in work.seqs:
@@ -190,10 +254,11 @@ class Scheduler:
             src = {Stage.PREFILL: None, Stage.CODA: self.coda_q, Stage.FUSED: self.prelude_q}[work.stage]
             if src is not None:
                 self._move(work.seqs, src, None, None)
-            for s in work.seqs:
+            emitted = work.seqs + done  # done: chunks that completed their prompt (first token sampled)
+            for s in emitted:
                 if s.seq_id in finished:
                     self.finish(s, finished[s.seq_id])
-            going = [s for s in work.seqs if s.seq_id not in finished]
+            going = [s for s in emitted if s.seq_id not in finished]
             self._move(going, None, self.prelude_q, Stage.PRELUDE)
             for s in sorted(going, key=lambda s: s.seq_id):  # oldest first: it keeps its memory
                 if s in self.prelude_q:  # not preempted for an older one

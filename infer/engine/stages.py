@@ -10,6 +10,12 @@ depths. Attention writes each token's K/V into the KV layout first, then reads:
   numbers: the gather of every item's context to the batch's longest one then SDPA (the CPU path
   and the oracle; it reads N x L_max rows and writes a copy), and `paged_attention` (`paged` set:
   FlexAttention over the block tables, reading only each item's own blocks).
+- mixed (`segments` set): the first `num_decode` items are decode items (as above), the rest are
+  prompt chunks riding in the same launch. Each `Segment` is one chunk: one SDPA with q = the
+  chunk's positions and k/v = the layout's rows of positions 0..last at the chunk's loop step,
+  causal with the chunk's offset. Because every item's K/V is written before anything is read, a
+  chunk sees its own step-s K/V, and an earlier chunk's step-s K/V is already in its depth slot
+  (depth-indexed layouts), so a chunked prompt equals the whole-prompt prefill.
 """
 from __future__ import annotations
 
@@ -38,6 +44,26 @@ class PagedContext:
 
 
 @dataclass
+class Segment:
+    """One prompt chunk of a mixed batch: items [start, start + length) are positions
+    offset..offset+length-1 of one prompt; `ctx_rows` [offset + length] are the KV rows of its
+    positions 0..offset+length-1."""
+    start: int
+    length: int
+    offset: int
+    ctx_rows: torch.Tensor
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def mask(self) -> torch.Tensor:
+        """[length, offset + length]: position offset+i sees positions 0..offset+i."""
+        if self._mask is None:
+            d = self.ctx_rows.device
+            self._mask = (torch.arange(self.offset + self.length, device=d)[None, :] <=
+                          torch.arange(self.offset, self.offset + self.length, device=d)[:, None])
+        return self._mask
+
+
+@dataclass
 class TokenBatch:
     ids: torch.Tensor  # [N] token ids (read by the prelude)
     positions: torch.Tensor  # [N]
@@ -47,6 +73,8 @@ class TokenBatch:
     ctx_rows: torch.Tensor | None = None  # decode: [N, L] rows of positions 0..pos (padded)
     ctx_len: torch.Tensor | None = None  # decode: [N] valid entries of ctx_rows
     paged: PagedContext | None = None  # decode: attend through the block tables (paged_attention)
+    segments: list[Segment] | None = None  # mixed: prompt chunks after the first `num_decode` items
+    num_decode: int | None = None  # mixed: decode items (padding included) before the chunks
     # memoised per batch (they depend on positions / context only, not on the loop step), so a
     # runner that reuses a batch across consecutive core steps computes them once
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
@@ -57,10 +85,20 @@ class TokenBatch:
             self._rope = model.rope(self.positions)
         return self._rope
 
+    def decode_part(self) -> TokenBatch:
+        """The decode items of a mixed batch as a batch of their own (all items otherwise)."""
+        if self.segments is None:
+            return self
+        n = self.num_decode
+        return TokenBatch(ids=self.ids[:n], positions=self.positions[:n], rows=self.rows[:n], steps=self.steps[:n],
+                          ctx_rows=self.ctx_rows, ctx_len=self.ctx_len)
+
     def mask(self) -> torch.Tensor:
         """prefill: [N, N] block-causal over the packed prompts; decode: [N, L] valid context."""
         if self._mask is None:
-            if self.seq_ids is not None:
+            if self.segments is not None and not self.num_decode:
+                self._mask = torch.zeros(0, 0, dtype=torch.bool)  # chunks only: each segment has its own
+            elif self.seq_ids is not None:
                 s, p = self.seq_ids, self.positions
                 self._mask = (s[:, None] == s[None, :]) & (p[None, :] <= p[:, None])
             else:
@@ -90,6 +128,8 @@ class KVAttention:
             kc.index_copy_(0, idx, k.to(kc.dtype))
             vc.index_copy_(0, idx, v.to(vc.dtype))
             gqa = q.shape[1] != k.shape[1]
+            if b.segments is not None:
+                return self._mixed(q, kc, vc, stage, steps, gqa)
             if b.seq_ids is not None:  # q, k, v: [N, heads, D] -> one packed sequence
                 y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                    v.transpose(0, 1)[None], attn_mask=self.mask, enable_gqa=gqa)
@@ -108,6 +148,26 @@ class KVAttention:
                                                attn_mask=self.mask[:, None, None, :], enable_gqa=gqa)
             return y[:, :, 0, :]
         return attend
+
+    def _mixed(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, stage: str, steps: torch.Tensor,
+               gqa: bool) -> torch.Tensor:
+        """Decode items through the padded gather, each prompt chunk through one causal SDPA over its
+        context rows (no [N, L_max] gather for prompt positions: long prompts stay linear in memory)."""
+        lay, b, n = self.layout, self.batch, self.batch.num_decode
+        out = []
+        if n:
+            cidx = lay.index(stage, steps[:n, None], b.ctx_rows)
+            K, V = kc[cidx].transpose(1, 2), vc[cidx].transpose(1, 2)
+            y = F.scaled_dot_product_attention(q[:n, :, None, :], K.to(q.dtype), V.to(q.dtype),
+                                               attn_mask=self.mask[:, None, None, :], enable_gqa=gqa)
+            out.append(y[:, :, 0, :])
+        for g in b.segments:
+            cidx = lay.index(stage, steps[g.start], g.ctx_rows)  # every position of a chunk is at one step
+            K, V = kc[cidx].transpose(0, 1)[None], vc[cidx].transpose(0, 1)[None]  # [1, KV, L, D]
+            qs = q[g.start:g.start + g.length].transpose(0, 1)[None]  # [1, H, n, D]
+            y = F.scaled_dot_product_attention(qs, K.to(q.dtype), V.to(q.dtype), attn_mask=g.mask(), enable_gqa=gqa)
+            out.append(y[0].transpose(0, 1))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def prefill(model: LoopedLM, layout: KVLayout, batch: TokenBatch, last_index: torch.Tensor,
@@ -138,20 +198,31 @@ def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch
     rope = batch.rope(model)
     att = KVAttention(layout, batch)
     new = model.core_step(state, inj, rope, att)
-    gate = model.gate_logits(new) if criterion in ("ouro_gate", "learned") else None
-    logits = model.head(model.coda(new, rope, att)) if criterion in OUTPUT_CRITERIA else None
-    scores, aux = step_scores(criterion, state, new, gate, logits, aux)
+    # mixed batch: only the decode items (the first num_decode) are scored; prompt chunks never exit
+    n = new.shape[0] if batch.segments is None else batch.num_decode
+    if n == 0:
+        return new, new.new_zeros(0), aux
+    dec = batch.decode_part()
+    gate = model.gate_logits(new[:n]) if criterion in ("ouro_gate", "learned") else None
+    logits = (model.head(model.coda(new[:n], dec.rope(model), KVAttention(layout, dec)))
+              if criterion in OUTPUT_CRITERIA else None)
+    scores, aux = step_scores(criterion, state[:n], new[:n], gate, logits, aux)
     return new, scores, aux
 
 
-def coda(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch.Tensor) -> torch.Tensor:
-    """Exited tokens -> logits [N, V]."""
+def coda(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch.Tensor,
+         head_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Exited tokens -> logits [N, V] (of the items in `head_index` when given: a mixed batch runs
+    the coda for every prompt position, whose coda KV is needed later, and the head on few)."""
     rope = batch.rope(model)
-    return model.head(model.coda(state, rope, KVAttention(layout, batch)))
+    hidden = model.coda(state, rope, KVAttention(layout, batch))
+    return model.head(hidden if head_index is None else hidden[head_index])
 
 
-def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int) -> torch.Tensor:
-    """CB's iteration: decode tokens through prelude, `r_max` core steps and coda -> logits [N, V]."""
+def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int,
+          head_index: torch.Tensor | None = None) -> torch.Tensor:
+    """CB's iteration: decode tokens (and, in a mixed batch, prompt chunks at the same loop steps)
+    through prelude, `r_max` core steps and coda -> logits [N, V] (`head_index`: see `coda`)."""
     rope = batch.rope(model)
     att = KVAttention(layout, batch)
     state, inj = model.prelude(batch.ids, rope, att)
@@ -159,7 +230,8 @@ def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int) -> t
         att.step = s
         state = model.core_step(state, inj, rope, att)
     att.step = None
-    return model.head(model.coda(state, rope, att))
+    hidden = model.coda(state, rope, att)
+    return model.head(hidden if head_index is None else hidden[head_index])
 
 
 def paged_mask(ctx: PagedContext, positions: torch.Tensor, depth: torch.Tensor, depth_slots: int, R: int):

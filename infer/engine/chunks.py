@@ -1,0 +1,130 @@
+"""Prefill that rides on the decode stages: prompt chunks as multi-token scheduler items. Pure Python.
+
+With `prefill="mixed"` a prompt (or a chunk of one: positions `seq.chunk = (start, end)`) is one
+item that goes through the prelude, core and coda queues alongside the decode items and never exits
+early: it joins a prelude launch, then rides in the next r_max core launches (every position of the
+chunk at the same loop step, so the prompt stays depth-major), then in the next coda launch, which
+writes the coda KV of every position and, for the prompt's last chunk, runs the head on its last
+position: the first token, at full depth. Under CB the whole path is one fused launch.
+
+Admission (`admit`, called when a prelude or, under CB, a fused launch is formed): the sequences
+whose earlier chunk is done come first (they hold a slot and their blocks), then the waiting queue in
+FIFO order. Every launch holds at most `max_prefill_tokens` items: the running decode items (at most
+one per running sequence) plus the prompt tokens in flight, so a new chunk gets what is left. A
+prompt longer than that is split (`chunked`: the depth-indexed layouts, where a chunk reads the
+earlier chunks' K/V at its own depth slot) or admitted whole (`shared`, or chunking off). When
+nothing else is prefilling, a chunk gets at least `block_size` tokens (a whole prompt if it cannot be
+split), so that a budget smaller than the decode batch still makes progress. The chunks of one prompt
+run one after another (chunk k+1 needs chunk k's coda KV).
+
+Memory: a prompt's first admission allocates the blocks of its whole prompt (with `reserve_kv`:
+prompt + max_tokens), leaving the scheduler's watermark free, so its later chunks never wait for
+memory and prefilling sequences can never deadlock each other; the block of its first output
+token is grown like any decode token's when the prompt completes. A prefilling sequence is never a
+preemption victim (its chunk state is not in the per-slot buffers); new prompts wait while a
+preempted sequence is swapped out.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Stage
+
+STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
+
+
+class ChunkQueues:
+    def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_position: int,
+                 reserve_kv: bool = False):
+        self.budget, self.chunked, self.r_full = budget, chunked, r_full
+        self.blocks, self.max_position, self.reserve_kv = blocks, max_position, reserve_kv
+        self.at: dict[Stage, list[Sequence]] = {s: [] for s in STAGES}  # chunks waiting for that stage
+        self.partial: deque[Sequence] = deque()  # admitted, a chunk done, the next one not yet admitted
+
+    @property
+    def held(self) -> int:
+        """Sequences that hold a slot while prefilling."""
+        return len(self.partial) + sum(len(q) for q in self.at.values())
+
+    def tokens_in_flight(self) -> int:
+        return sum(s.chunk[1] - s.chunk[0] for q in self.at.values() for s in q)
+
+    def drop(self, seq: Sequence) -> None:
+        for q in (*self.at.values(), self.partial):
+            if seq in q:
+                q.remove(seq)
+
+    def admit(self, waiting: deque[Sequence], decode_items: int, running: int, max_batch: int, new: bool = True,
+              keep_free: Callable[[int], int] = lambda admitted: 0) -> list[Sequence]:
+        """New chunks for the next prelude (or fused) launch (see the module docstring)."""
+        inflight = self.tokens_in_flight()
+        room = self.budget - decode_items - inflight
+        out: list[Sequence] = []
+        while self.partial or (waiting and new):
+            started = bool(self.partial)
+            s = self.partial[0] if started else waiting[0]
+            left = len(s.prompt_ids) - s.prefilled
+            alone = not out and not inflight
+            if self.chunked:
+                n = min(left, max(room, self.blocks.block_size) if alone else room)
+            else:
+                n = left if (left <= room or alone) else 0
+            if n <= 0:
+                break
+            if not started:
+                if running + len(out) >= max_batch:
+                    break
+                need = s.reserved_tokens(self.max_position) if self.reserve_kv else len(s.prompt_ids)
+                if not self.blocks.can_allocate(need, keep_free(len(out))):
+                    break  # FIFO: the head waits for memory, nobody overtakes it
+                s.blocks, s.slot = self.blocks.allocate(need)
+                waiting.popleft()
+            else:
+                self.partial.popleft()
+            s.chunk, s.step = (s.prefilled, s.prefilled + n), 0
+            s.stage = Stage.PRELUDE
+            out.append(s)
+            room -= n
+        self.at[Stage.PRELUDE].extend(out)
+        return out
+
+    def after(self, stage: Stage, chunks: list[Sequence]) -> list[Sequence]:
+        """Advance the chunks of a launch; returns those whose prompt is now complete (their first
+        token was sampled in this launch). Prelude -> core; core: one step (r_full -> coda); coda or
+        CB's fused launch: the chunk is done (-> `partial`, or complete)."""
+        if not chunks:
+            return []
+        ids = {id(s) for s in chunks}
+        if stage is Stage.PRELUDE:
+            self._move(ids, Stage.PRELUDE, Stage.CORE, chunks)
+            return []
+        if stage is Stage.CORE:
+            for s in chunks:
+                s.step += 1
+            self._move({id(s) for s in chunks if s.step >= self.r_full}, Stage.CORE, Stage.CODA, chunks)
+            return []
+        src = Stage.CODA if stage is Stage.CODA else Stage.PRELUDE  # fused: admitted, done in one launch
+        self.at[src][:] = [s for s in self.at[src] if id(s) not in ids]
+        done = []
+        for s in chunks:
+            s.prefilled, s.chunk, s.chunk_state, s.step = s.chunk[1], None, None, 0
+            if s.prefilled == len(s.prompt_ids):
+                done.append(s)
+            else:
+                s.stage = Stage.PREFILL
+                self.partial.append(s)
+        return done
+
+    def _move(self, ids: set[int], src: Stage, dst: Stage, chunks: list[Sequence]) -> None:
+        moved = [s for s in chunks if id(s) in ids]
+        self.at[src][:] = [s for s in self.at[src] if id(s) not in ids]
+        for s in moved:
+            s.stage = dst
+        self.at[dst].extend(moved)
+
+
+def final_chunks(chunks: list[Sequence]) -> list[Sequence]:
+    """The chunks that end their prompt: a coda (or fused) launch samples their first token."""
+    return [s for s in chunks if s.chunk[1] == len(s.prompt_ids)]
