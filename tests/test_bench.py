@@ -178,7 +178,7 @@ def test_sim_with_fitted_cost_reproduces_a_measured_run():
     m, _ = load_model("huginn-tiny")
     reqs = workloads.make_requests("alpaca", 6, seed=1, scale=0.3, max_position=m.cfg.max_position, vocab_size=256)
     base = dict(max_batch_size=4, exit_threshold=0.5)
-    for mode in bench.modes_for([2], full_depth=False)[1:]:  # cdb no-refill and refill
+    for mode in bench.modes_for([2], full_depth=False)[2:]:  # cdb no-refill and refill (after cb, cb_separate)
         bench.run_mode(m, None, reqs[:2], mode, base, keep_trace=False)
         raw = bench.run_mode(m, None, reqs, mode, base)
         fits = latency.fit_trace(raw["trace"])

@@ -36,7 +36,9 @@ RESULT_FIELDS = ("output_tokens_per_s", "requests_per_s", "mean_exit_depth", "al
 
 def modes_for(ks=(1, 4), norefill: bool = True, full_depth: bool = True) -> list[dict]:
     """The policies compared: CB, CDB no-refill, CDB refill per K, and CDB at full depth."""
-    modes = [{"name": "cb", "policy": "cb"}]
+    # cb: prompts inside the fused iteration (vLLM's chunked prefill); cb_separate: the old CB, whole
+    # prompts in prefill launches of their own
+    modes = [{"name": "cb", "policy": "cb"}, {"name": "cb_separate", "policy": "cb", "prefill": "separate"}]
     if norefill:
         modes.append({"name": "cdb_norefill", "policy": "cdb", "refill": False})
     modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": True, "min_coda_batch": int(k)} for k in ks]
@@ -105,13 +107,32 @@ def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: Engine
             hist[d] = hist.get(d, 0) + 1
     ntok = sum(hist.values())
     traced = sum(r["seconds"] for r in trace)
+    pre = prefill_breakdown(trace)
     return {"name": mode["name"], "mode": _mode_kwargs(mode), "engine_config": config.describe(), "seconds": seconds,
             "output_tokens": sum(len(o.token_ids) for o in outs), "num_requests": len(outs),
             "mean_exit_depth": sum(d * c for d, c in hist.items()) / ntok if ntok else float("nan"),
             "decode_tokens": ntok, "exit_depth_hist": dict(sorted(hist.items())),
-            "prefill_seconds": stages.get("prefill", {}).get("seconds", 0.0), "traced_seconds": traced,
+            "prefill_seconds": pre["seconds"], "prefill": {**pre, "share": pre["seconds"] / traced if traced else None},
+            "traced_seconds": traced,
             "steps": len(trace), "stages": stages, "trace": trace if keep_trace else None,
             "exit_depths": [list(o.exit_depths) for o in outs]}
+
+
+def prefill_breakdown(trace: list[dict]) -> dict:
+    """Launches that carry prompt tokens (separate prefill launches, or mixed launches with chunks),
+    their mean prompt tokens, and the seconds prompts cost: a prefill launch's time; in a mixed launch
+    the simulator's marginal cost (`prompt_seconds`), else the launch's time split by items."""
+    rows = [r for r in trace if r.get("prompt_tokens") or r["stage"] == "prefill"]
+    tok = sum(r.get("prompt_tokens", r["tokens"]) for r in rows)
+    sec = 0.0
+    for r in rows:
+        if r["stage"] == "prefill":
+            sec += r["seconds"]
+        elif "prompt_seconds" in r:
+            sec += r["prompt_seconds"]
+        else:
+            sec += r["seconds"] * r["prompt_tokens"] / (r["prompt_tokens"] + r["batch"])
+    return {"launches": len(rows), "mean_prompt_tokens": tok / len(rows) if rows else 0.0, "seconds": sec}
 
 
 # ---------------------------------------------------------------------------------- results
@@ -132,7 +153,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "num_requests": r["num_requests"], "output_tokens": r["output_tokens"],
                "mean_exit_depth": d, "exit_depth_hist": r["exit_depth_hist"],
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
-               "steps": r["steps"], "stages": r["stages"],
+               "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
         if alpha_cb is not None:
             b = B.bound(cfg, d, alpha_cb, ctx)

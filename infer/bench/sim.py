@@ -59,6 +59,16 @@ class Call:
     filled: int = 0  # coda: last_exited slots filled on exit (tokens x skipped depths)
     rows_sdpa: int = 0  # decode: padded batch x bucketed longest context (the SDPA path's gather)
     rows_paged: int = 0  # decode: whole blocks of each item's context (a paged kernel)
+    # mixed launches (prompt chunks riding along): their tokens, the context rows they read (once per
+    # chunk), their causal (query, key) pairs, and the chunks that end their prompt (head rows)
+    prompt_tokens: int = 0
+    prompt_rows: int = 0
+    prompt_pairs: int = 0
+    finals: int = 0
+
+    def without_prompts(self) -> Call:
+        return Call(self.stage, self.batch, self.padded, self.tokens, self.context, self.context_sq, self.r_max,
+                    self.filled, self.rows_sdpa, self.rows_paged)
 
 
 class HostCost:
@@ -130,15 +140,20 @@ class RooflineCost:
         return max(nbytes / self.bandwidth, flops / self.peak_flops)
 
     def _decode(self, stage: Stage, c: Call) -> float:
+        """One stage's launch: its weights once for every item (decode items and prompt tokens), the
+        KV each reads and writes; prompt chunks attend causally over their own context."""
         cfg, db = self.cfg, self.dtype_bytes
         layers = {Stage.PRELUDE: cfg.n_prelude, Stage.CORE: cfg.n_core, Stage.CODA: cfg.n_coda}[stage]
         kv = B.kv_bytes_per_token(cfg, layers, db)
+        items = c.padded + c.prompt_tokens
         rows = {"context": c.context, "paged": c.rows_paged or c.context, "sdpa": 3 * c.rows_sdpa or c.context}
-        nbytes = self.params[stage.value] * db + rows[self.attention] * kv + c.padded * kv
+        nbytes = self.params[stage.value] * db + (rows[self.attention] + c.prompt_rows) * kv + items * kv
         if stage is Stage.PRELUDE:
-            nbytes += c.padded * cfg.hidden_size * db  # embedding rows
+            nbytes += items * cfg.hidden_size * db  # embedding rows
         per_tok = B.stage_flops(cfg, 0)[stage.value]
-        flops = c.padded * per_tok + 4 * cfg.num_heads * cfg.head_dim * c.context * layers
+        head = 2 * cfg.hidden_size * cfg.vocab_size if stage is Stage.CODA else 0
+        flops = (c.padded * per_tok + c.prompt_tokens * (per_tok - head) + c.finals * head +
+                 4 * cfg.num_heads * cfg.head_dim * (c.context + c.prompt_pairs) * layers)
         return self._roof(nbytes, flops)
 
     def _overhead(self, c: Call) -> float:
@@ -226,18 +241,26 @@ class SimRunner:
             filled = sum(self.cfg.r_max - s.step for s in seqs) if work.stage is Stage.CODA else 0
             ctx = [s.num_tokens for s in seqs]
             bs = self.blocks.block_size
-            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), -(-self.cfg.max_position // bs) * bs)
-            c = Call(work.stage, n, self.padded(n), n, sum(ctx), r_max=work.r_max, filled=filled,
-                     rows_sdpa=self.padded(n) * L, rows_paged=sum(-(-x // bs) * bs for x in ctx))
+            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), -(-self.cfg.max_position // bs) * bs) if ctx else 0
+            N = self.padded(n) if n else 0
+            spans = [s.chunk for s in work.chunks]
+            c = Call(work.stage, n, N, n, sum(ctx), r_max=work.r_max, filled=filled, rows_sdpa=N * L,
+                     rows_paged=sum(-(-x // bs) * bs for x in ctx), prompt_tokens=sum(e - a for a, e in spans),
+                     prompt_rows=sum(e for _, e in spans),
+                     prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
+                     finals=len(work.finals))
         t = self.cost(c)
         self.clock += t
-        self.trace.append({"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens,
-                           "context": c.context, "seconds": t})
+        row = {"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens, "context": c.context,
+               "seconds": t, "prompt_tokens": c.prompt_tokens if work.stage is not Stage.PREFILL else c.tokens}
+        if work.chunks:  # the launch's cost that the prompts add (weights are paid by the decode items anyway)
+            row["prompt_seconds"] = t - self.cost(c.without_prompts()) if n else t
+        self.trace.append(row)
         if work.stage is Stage.PRELUDE:
             return None
         if work.stage is Stage.CORE:
             return _Scores([30.0 if self._fires(s) else -30.0 for s in seqs])
-        return torch.tensor([[0.0, 1.0]]).expand(n, 2)  # logits: every token is id 1
+        return torch.tensor([[0.0, 1.0]]).expand(n + len(work.finals), 2)  # logits: every token is id 1
 
     def _fires(self, s: Sequence) -> bool:
         """The exit signal after this step, for a token whose recorded exit depth is d (lookahead:
@@ -251,9 +274,12 @@ class SimRunner:
 # ---------------------------------------------------------------------------------- running
 def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]], *,
                   max_batch_size: int = 64, kv_layout: str = DEFAULT_LAYOUT, kv_cache_tokens: int | None = None,
-                  lookahead: bool = False, max_prefill_tokens: int = 8192) -> dict:
-    """One mode through the real engine on the virtual clock; the bench's raw record."""
+                  lookahead: bool = False, max_prefill_tokens: int = 8192, prefill: str | None = None) -> dict:
+    """One mode through the real engine on the virtual clock; the bench's raw record. `prefill`:
+    EngineConfig.prefill for the modes that do not name one."""
     kw = {k: v for k, v in mode.items() if k != "name"}
+    if prefill is not None:
+        kw.setdefault("prefill", prefill)
     ecfg = EngineConfig(**kw, kv_layout=kv_layout, max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens,
                         max_prefill_tokens=max_prefill_tokens, exit_criterion="learned", exit_threshold=0.5,
                         r_min=2 if lookahead else 1, lookahead=lookahead)
@@ -340,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="decode attention's KV reads: the engine's SDPA gather (CUDA path today), a paged "
                         "kernel, or the ideal real context")
     p.add_argument("--lookahead", action="store_true")
+    p.add_argument("--prefill", choices=["mixed", "separate"], default=None,
+                   help="EngineConfig.prefill for every mode but cb_separate (default: EngineConfig's, mixed)")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="EngineConfig.max_prefill_tokens (the token "
+                   "budget per launch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/sim"))
     a = p.parse_args(argv)
@@ -373,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
                              vocab_size=cfg.vocab_size)
         depths = depths_from_distribution(probs, reqs, a.seed)
         blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, max_batch_size=a.max_batch_size,
-                       kv_layout=a.kv_layout, kv_cache_tokens=kvt, lookahead=a.lookahead)
+                       kv_layout=a.kv_layout, kv_cache_tokens=kvt, lookahead=a.lookahead, prefill=a.prefill,
+                       max_prefill_tokens=a.max_prefill_tokens)
         print(format_table(blk))
         blocks.append(blk)
     meta = {"model": a.model, "config": cfg.name, "cost_model": "roofline", "bandwidth": cost.bandwidth,
