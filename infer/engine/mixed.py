@@ -6,8 +6,6 @@ over its own context rows. Runs eagerly (no CUDA graph: a chunk's length varies 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from looplm.exits import initial_aux
@@ -17,8 +15,8 @@ from .scheduler import Work
 from .sequence import Sequence, Stage
 from .stages import Segment, TokenBatch
 
-if TYPE_CHECKING:
-    from .runner import ModelRunner
+# `r` below is the ModelRunner (runner.py imports this module, so it is not imported back here)
+ModelRunner = object
 
 
 def _chunk_rows(r: ModelRunner, s: Sequence) -> list[int]:
