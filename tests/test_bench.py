@@ -142,7 +142,7 @@ def test_bench_json_has_every_field(bench_json):
     assert (out / "bench_ouro-tiny.png").stat().st_size > 1000
     blk = data["workloads"][0]
     modes = [r["mode"] for r in blk["results"]]
-    assert modes == ["cb", "cdb_norefill", "cdb_refill_k2", "cdb_full_depth"]
+    assert modes == ["cb", "cb_separate", "cdb_norefill", "cdb_refill_k2", "cdb_full_depth"]
     for r in blk["results"]:
         for k in bench.RESULT_FIELDS + ("seconds", "num_requests", "output_tokens"):
             assert k in r and r[k] is not None, k

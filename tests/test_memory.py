@@ -57,8 +57,10 @@ def test_preemption_is_exact(mode, layout, lookahead):
     print("seed", seed, arch)
     rng = random.Random(seed)
     reqs = [([rng.randrange(1, 256) for _ in range(rng.randint(2, 8))], rng.randint(5, 10)) for _ in range(5)]
+    # separate prefill: whole prompts admitted in bursts make most requests swap (mixed prefill with
+    # preemption: tests/test_prefill.py::test_preemption_with_chunks_is_exact)
     base = dict(kv_layout=layout, max_batch_size=8, exit_threshold=0.55, lookahead=lookahead, block_size=4,
-                pipeline=lookahead and mode != "cb", **MODES[mode])
+                pipeline=lookahead and mode != "cb", prefill="separate", **MODES[mode])
     ample = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=1024, **base))
     small = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=20, watermark=0.0, **base))
     want, got = run(ample, reqs, seed), run(small, reqs, seed)
@@ -152,7 +154,8 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
     rng = random.Random(seed)
     print("seed", seed)
     cfg = EngineConfig(policy="cdb", refill=bool(seed % 2), min_coda_batch=rng.choice([1, 3]),
-                       max_batch_size=rng.choice([3, 8]), block_size=4, watermark=0.05)
+                       max_batch_size=rng.choice([3, 8]), block_size=4, watermark=0.05,
+                       prefill="separate")  # this fake runner drives PREFILL work by hand (mixed: test_prefill.py)
     cfg = cfg.resolve(tiny_model("ouro-tiny").cfg)
     bm = BlockManager(16, 4, cfg.max_batch_size)
     sch = Scheduler(cfg, bm, 64, pipeline=bool(seed // 2), swap_blocks=rng.choice([4, 64]))
