@@ -32,7 +32,11 @@ def build(r: ModelRunner, work: Work) -> tuple[TokenBatch, torch.Tensor, int]:
     long = dict(dtype=torch.long, device=r.device)
     if work.seqs:
         slots, longest = r._upload(work.seqs)
-        dec = r.batch_from(stage, slots, r._ctx_len(longest) // r.blocks.block_size)
+        nb = r._ctx_len(longest) // r.blocks.block_size
+        dec = r.batch_from(stage, slots, nb)
+        if dec.ctx_rows is None:  # paged decode attention is on: a mixed launch (eager) gathers instead
+            B, j = r.blocks.block_size, r._j[: nb * r.blocks.block_size]
+            dec.ctx_rows, dec.paged = r.bt[slots][:, :nb][:, j // B] * B + j % B, None
         parts = [[dec.ids], [dec.positions], [dec.rows], [dec.steps]]
     else:
         slots, dec = torch.zeros(0, **long), None

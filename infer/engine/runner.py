@@ -289,7 +289,7 @@ class ModelRunner:
         else:
             out = self._stages[work.stage](work)
         if work.stage.emits:  # tokens are appended (and blocks may grow) before the next stage
-            self._stale.update(s.slot for s in work.seqs)
+            self._stale.update(s.slot for s in work.seqs + work.finals)
         return out
 
     def _prelude(self, work: Work) -> None:
