@@ -355,7 +355,7 @@ class ModelRunner:
     def swap(self, ops: list[SwapOp]) -> None:
         """Run the scheduler's swap operations in order (see infer/engine/swap.py)."""
         host = self.__dict__.setdefault("_host_swap", {})
-        swap_ops(self, host, ops)
+        swap_ops(self.layout, [self.state, self.inj, self.aux], self.blocks.block_size, host, ops)
         for op in ops:
             if op.kind == "in":
                 self.invalidate(op.slot)  # its block table and loop state are rewritten at its next stage

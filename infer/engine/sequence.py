@@ -28,7 +28,7 @@ class Stage(enum.Enum):
         return self in (Stage.PREFILL, Stage.CODA, Stage.FUSED)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queue membership tests must not compare every field
 class Sequence:
     seq_id: int
     request_id: str

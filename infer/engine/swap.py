@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .runner import ModelRunner
+    from kv_layouts import KVLayout
+
     from .scheduler import SwapOp
 
 
@@ -35,20 +36,20 @@ def block_rows(blocks: list[int], block_size: int, device) -> torch.Tensor:
                         device=device)
 
 
-def swap_ops(runner: ModelRunner, host: dict[int, tuple[list[torch.Tensor], list[torch.Tensor | None]]],
-             ops: list[SwapOp]) -> None:
-    """Apply `ops` to the runner's layout and state buffers; `host` maps seq_id -> host copies."""
-    bs, dev = runner.blocks.block_size, runner.device
-    bufs = [runner.state, runner.inj, runner.aux]
+def swap_ops(layout: KVLayout, bufs: list[torch.Tensor | None], block_size: int,
+             host: dict[int, tuple[list[torch.Tensor], list[torch.Tensor | None]]], ops: list[SwapOp]) -> None:
+    """Apply `ops` to a KV layout and the per-slot state buffers `bufs` (loop state, injection,
+    criterion memory; None where the model has none); `host` maps seq_id -> host copies."""
+    bs, dev = block_size, layout.k_core.device
     for op in ops:
         sid = op.seq.seq_id
         if op.kind == "out":
-            kv = [_to_host(t) for t in runner.layout.read_rows(block_rows(op.blocks, bs, dev))]
+            kv = [_to_host(t) for t in layout.read_rows(block_rows(op.blocks, bs, dev))]
             host[sid] = kv, [_to_host(b[op.slot]) if b is not None else None for b in bufs]
         elif op.kind == "in":
             kv, state = host.pop(sid)
             rows = block_rows(op.blocks, bs, dev)[: kv[0].shape[1]]  # it may come back with one block more
-            runner.layout.write_rows(rows, kv)
+            layout.write_rows(rows, kv)
             for b, x in zip(bufs, state):
                 if b is not None:
                     b[op.slot] = x.to(dev, non_blocking=True)
