@@ -88,8 +88,10 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
     """Time `steps` engine steps of one policy at one batch size (or, with `count_attention`, count
     the decode attention rows instead: that pass is not timed)."""
     ctx = contexts(batch, seed, steps + 2)  # every request outlives the timed steps: full batches
+    # prompts in prefill launches of their own: the no-op model has no math for a mixed launch, and
+    # the timed steps are pure decode stages either way (every request is admitted before timing)
     cfg = EngineConfig(max_batch_size=batch, max_prefill_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
-                       **policy)
+                       prefill="separate", **policy)
     eng = LLMEngine(BenchModel(), cfg, runner_cls=NoopRunner)
     if count_attention:
         eng.runner.attention_stats = {}
