@@ -229,3 +229,18 @@ def test_make_demo_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cdb_refill_k1" in out and "bound S_e2e" in out and "plot:" in out and "random-weight preset" in out
     assert (tmp_path / "bench_ouro-tiny.png").exists()
+
+
+def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
+    """python -m infer.bench_host on the current engine (it once broke silently when the engine's
+    defaults changed): every stage kind has median and p90, attention rows are counted."""
+    import json
+
+    from infer.bench import host
+    out = tmp_path / "host.json"
+    host.main(["--batches", "16", "--steps", "6", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert set(d["host_us"]["16"]) == {"prefill", "prelude", "core", "coda", "fused"}
+    assert all(v["median"] > 0 and v["p90"] >= v["median"] for v in d["host_us"]["16"].values())
+    att = d["attention"]["16"]
+    assert att["rows_paged"] >= att["context"] > 0 and att["rows_read"] >= att["rows_paged"]
