@@ -152,6 +152,20 @@ def write_table(rows: list[dict], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
 
 
+def resolve_sweep(sweep: str | Path, overrides: dict[str, Any] | None) -> tuple[dict, dict, dict]:
+    """(spec, grid, cfg) of a sweep file with overrides: a list replaces a grid axis, a scalar fixes it."""
+    spec = load_sweep(sweep)
+    grid = dict(spec["grid"])
+    for k, v in (overrides or {}).items():
+        if k in grid:
+            if isinstance(v, list):
+                grid[k] = v
+            else:
+                del grid[k]
+    cfg = {**DEFAULTS, **spec["fixed"], **{k: v for k, v in (overrides or {}).items() if k not in grid}}
+    return spec, grid, cfg
+
+
 def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | None = None,
               model=None, tokenizer=None) -> list[dict]:
     """Execute the sweep file's grid locally; returns the rows (also written to out/)."""
@@ -159,15 +173,7 @@ def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | No
 
     from eval.lm import LoopedEvalLM, task_manager
 
-    spec = load_sweep(sweep)
-    grid = dict(spec["grid"])
-    for k, v in (overrides or {}).items():  # an override replaces a grid axis (a list) or fixes it
-        if k in grid:
-            if isinstance(v, list):
-                grid[k] = v
-            else:
-                del grid[k]
-    cfg = {**DEFAULTS, **spec["fixed"], **{k: v for k, v in (overrides or {}).items() if k not in grid}}
+    spec, grid, cfg = resolve_sweep(sweep, overrides)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pretrained = cfg.get("pretrained") if model is None else model
@@ -230,15 +236,7 @@ def run_sweep_ray(sweep: str | Path, out: str | Path, overrides: dict[str, Any] 
     except ImportError:
         raise SystemExit("error: --ray needs Ray: pip install -e '.[distributed]'") from None
 
-    spec = load_sweep(sweep)
-    grid = dict(spec["grid"])
-    for k, v in (overrides or {}).items():  # as in run_sweep: a list replaces a grid axis, a scalar fixes it
-        if k in grid:
-            if isinstance(v, list):
-                grid[k] = v
-            else:
-                del grid[k]
-    cfg = {**DEFAULTS, **spec["fixed"], **{k: v for k, v in (overrides or {}).items() if k not in grid}}
+    spec, grid, cfg = resolve_sweep(sweep, overrides)
     if cfg.get("pretrained") is None:
         raise ValueError("the sweep needs a `pretrained` parameter (a checkpoint folder)")
     local = Path(cfg["pretrained"])  # workers may run elsewhere: send an absolute path (same on every node)
