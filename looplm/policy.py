@@ -27,7 +27,7 @@ PROBABILITY_CRITERIA = ("ouro_gate", "learned")  # threshold in [0, 1]
 DISTANCE_CRITERIA = ("kl", "latent_diff", "entropy_diff")  # threshold >= 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the exit tracker reads these once per item per core step
 class ExitPolicy:
     criterion: str
     threshold: float | None  # None with a criterion: never exits
@@ -84,43 +84,48 @@ class ExitPolicy:
                           min(self.r_min, rmax) if r_min is None else r_min, rmax, self.lookahead)
 
 
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
-
-
 class ExitTracker:
     """Exit bookkeeping of one decode token: `after_step(s, score)` takes the signal computed after
     loop step s (1-based) and may fix the exit depth (s, or s + 1 with lookahead);
-    `exits_after(s)` says whether the token leaves the loop after step s."""
+    `exits_after(s)` says whether the token leaves the loop after step s. `stop_at` is that step
+    (r_max until an exit is decided) and `open` whether scores still matter: the scheduler's
+    per-item hot loop reads both instead of calling methods (infer/engine/scheduler.py)."""
 
-    __slots__ = ("policy", "survival", "exit_at")
+    __slots__ = ("policy", "survival", "exit_at", "stop_at", "open")
 
     def __init__(self, policy: ExitPolicy):
         self.policy = policy
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over for the sequence's next token (the engine keeps one tracker per sequence)."""
         self.survival = 1.0  # ouro_gate: prod_{j<=s} (1 - lambda_j)
         self.exit_at: int | None = None  # the exit depth, once decided
-
-    def signal(self, score: float) -> bool:
-        p = self.policy
-        if not p.adaptive:
-            return False
-        if p.criterion == "ouro_gate":
-            lam = _sigmoid(score)
-            cdf = 1.0 - self.survival * (1.0 - lam)
-            self.survival *= 1.0 - lam
-            return cdf >= p.threshold
-        if p.criterion == "learned":
-            return _sigmoid(score) >= p.threshold
-        return score < p.threshold  # kl, latent_diff, entropy_diff
+        self.stop_at = self.policy.r_max  # the loop step after which the token leaves the loop
+        self.open = self.policy.adaptive  # no decision yet: the next score may decide the exit
 
     def after_step(self, s: int, score: float) -> bool:
-        """Take step s's signal; returns `exits_after(s)`."""
-        p = self.policy
-        if self.exit_at is None and s < p.r_max and self.signal(score):
-            depth = s + 1 if p.lookahead else s
-            if depth >= p.r_min:
-                self.exit_at = depth
-        return self.exits_after(s)
+        """Take step s's signal; returns `exits_after(s)`. (`signal` inlined: this runs once per
+        item per core step; the arithmetic is the same expression for expression.)"""
+        if self.open:
+            p = self.policy
+            if s >= p.r_max:
+                self.open = False
+            else:
+                c = p.criterion
+                if c == "ouro_gate" or c == "learned":  # score = gate logit, lambda = sigmoid(score), computed stably
+                    lam = 1.0 / (1.0 + math.exp(-score)) if score >= 0 else math.exp(score) / (1.0 + math.exp(score))
+                    if c == "ouro_gate":  # exit at the first step whose CDF 1 - prod(1 - lambda) reaches q
+                        lam, self.survival = 1.0 - self.survival * (1.0 - lam), self.survival * (1.0 - lam)
+                    fire = lam >= p.threshold
+                else:  # kl, latent_diff, entropy_diff (`open` is False for criterion none)
+                    fire = score < p.threshold
+                if fire:
+                    depth = s + 1 if p.lookahead else s
+                    if depth >= p.r_min:  # depth <= r_max: s < r_max
+                        self.exit_at = self.stop_at = depth
+                        self.open = False
+        return s >= self.stop_at
 
     def exits_after(self, s: int) -> bool:
-        return s >= self.policy.r_max or (self.exit_at is not None and s >= self.exit_at)
+        return s >= self.stop_at
