@@ -21,15 +21,15 @@ class DepthIndexedKV(KVLayout):
         return cfg.r_max
 
     def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
+        """Static shapes and no host sync (it runs inside the coda's CUDA graph): every (token,
+        depth slot) pair is a copy, the pairs with nothing to fill (depth slots <= the exit depth,
+        and padding, whose depth is 0) copy the scratch row onto itself."""
         r_max, R = self.cfg.r_max, self.num_rows + 1
-        keep = depths < r_max
-        if not bool(keep.any()):
-            return
-        rows, depths = rows[keep], depths[keep]
         steps = torch.arange(1, r_max + 1, device=rows.device)
-        fill = steps[None, :] > depths[:, None]  # [n, r_max]: the skipped slots
-        dst = ((steps[None, :] - 1) * R + rows[:, None])[fill]
-        src = ((depths[:, None] - 1) * R + rows[:, None]).expand(-1, r_max)[fill]
+        fill = (steps[None, :] > depths[:, None]) & (depths[:, None] >= 1)  # [n, r_max]: the skipped slots
+        scratch = torch.full_like(rows, self.scratch_row)[:, None]
+        dst = torch.where(fill, (steps[None, :] - 1) * R + rows[:, None], scratch).view(-1)
+        src = torch.where(fill, (depths[:, None] - 1) * R + rows[:, None], scratch).view(-1)
         for cache in (self.k_core, self.v_core):
             cache[:, dst] = cache[:, src]
 
