@@ -60,8 +60,8 @@ class NoopRunner(ModelRunner):
         self._scores = torch.zeros(N, dtype=torch.float32, device=self.device)
         self._logits = torch.zeros(N, V, dtype=torch.float32, device=self.device)
 
-    def body(self, stage, slots, nb, r_max=0):
-        n = slots.shape[0]
+    def body(self, stage, inp, nb, r_max=0):
+        n = inp.shape[0] // 2 if stage.reads_tokens else inp.shape[0]
         if stage is Stage.CORE:
             return self._scores[:n]
         return self._logits[:n] if stage in (Stage.CODA, Stage.FUSED) else None

@@ -1,10 +1,10 @@
 """CUDA graphs for the decode stages, captured lazily per (stage, padded batch, context blocks).
 
-A decode stage's only per-stage input is its slots [N] (the scratch slot for padding): the body
-gathers token, position, loop step and block table from the runner's persistent per-slot state
-(runner.batch_from), computes the KV rows on the device, and writes only the runner's static
-state and the KV layout. So a captured graph replays after one device-to-device copy of the
-slots. All graphs share one memory pool. Warm-up and capture use the scratch slot only, so they
+A decode stage's only per-stage input is its slots [N] (the scratch slot for padding), plus the
+items' tokens for a stage that embeds them (prelude, fused): the body gathers position, loop step
+and block table from the runner's persistent per-slot state (runner.batch_from), computes the KV
+rows on the device, and writes only the runner's static state and the KV layout. So a captured
+graph replays after one device-to-device copy of that input. All graphs share one memory pool. Warm-up and capture use the scratch slot only, so they
 never touch a real sequence's KV or state.
 """
 from __future__ import annotations
@@ -21,9 +21,11 @@ class GraphCache:
         self.pool = None
 
     def _capture(self, key: tuple):
-        stage, N, nb, r_max = key
+        stage, size, nb, r_max = key
         r = self.runner
-        slots = torch.full((N,), r.scratch_slot, dtype=torch.long, device=r.device)
+        slots = torch.full((size,), r.scratch_slot, dtype=torch.long, device=r.device)
+        if stage.reads_tokens:
+            slots[size // 2:] = 0  # token ids of the padding items
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -31,9 +31,9 @@ def build(r: ModelRunner, work: Work) -> tuple[TokenBatch, torch.Tensor, int]:
     stage = Stage.PRELUDE if work.stage is Stage.FUSED else work.stage
     long = dict(dtype=torch.long, device=r.device)
     if work.seqs:
-        slots, longest = r._upload(work.seqs)
-        nb = r._ctx_len(longest) // r.blocks.block_size
-        dec = r.batch_from(stage, slots, nb)
+        inp, nb = r._upload(work.seqs, tokens=stage.reads_tokens)
+        nb = r._ctx_blocks(nb)
+        slots, dec = r.batch_from(stage, inp, nb)
         if dec.ctx_rows is None:  # paged decode attention is on: a mixed launch (eager) gathers instead
             B, j = r.blocks.block_size, r._j[: nb * r.blocks.block_size]
             dec.ctx_rows, dec.paged = r.bt[slots][:, :nb][:, j // B] * B + j % B, None
@@ -126,9 +126,8 @@ def run(r: ModelRunner, work: Work) -> torch.Tensor | None:
         return scores
     idx, want = _head_index(work, batch, N, r.device)
     if work.stage is Stage.CODA:
-        if work.seqs:  # the last_exited fill of the decode items first (prompt positions are at r_max)
-            sl = slots[:len(work.seqs)]
-            lay.on_exit(r._rows(sl, r.pos[sl]), r.step[sl])
+        if N:  # the last_exited fill of the decode items first (prompt positions are at r_max)
+            lay.on_exit(batch.rows[:N], r.step[slots])
         cs, _ = _chunk_states(work)
         logits = stages.coda(m, lay, batch, torch.cat([r.state[slots], cs]), head_index=idx)
     else:  # FUSED: CB's iteration, prompt positions at the same loop steps as the decode items

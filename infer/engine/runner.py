@@ -75,6 +75,7 @@ class ModelRunner:
         self.model, self.cfg, self.blocks, self.criterion = model, model.cfg, blocks, criterion
         self.device, self.dtype = model.device, model.dtype
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
+        self._pad_cap = next_pow2(max_batch_size)
         self.layout = make_layout(kv_layout, self.cfg, blocks.num_blocks * blocks.block_size, self.dtype, self.device)
         S, D = blocks.num_slots + 1, self.cfg.hidden_size  # slot S-1 is the scratch slot for padding
         self.scratch_slot = S - 1
@@ -101,21 +102,29 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     def padded(self, n: int) -> int:
-        return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
+        return min(next_pow2(n), max(self._pad_cap, n)) if self.pad_pow2 else n
 
     # ------------------------------------------------------------------ persistent batch state
     def _init_batch_state(self, S: int) -> None:
         """Per-slot decode metadata on the device, kept across stages (vLLM V1's persistent batch):
-        last token, position, loop step and block table of the sequence in each state slot. The
-        host keeps a mirror of what the device holds (`_own`, `_hpos`, `_nblk`) and each stage sends
-        only the differences (a token was appended, a block was added, a slot changed hands)."""
+        position, loop step and block table of the sequence in each state slot. A stage sends, in
+        one host-to-device copy, its slots, the last tokens of its items if it embeds them (prelude,
+        fused), and the metadata of the sequences the scheduler reports in `Work.changed`
+        (admitted, grown by a block, swapped in) or that were invalidated; nothing else is per item.
+        Positions advance on the device: a prelude (or fused) launch moves each of its slots one
+        position on, since every decode token passes through exactly one. The host keeps no
+        per-token mirror: it knows which block tables it sent (`_own`, `_nblk`), and the context
+        length of a batch is its longest block table."""
         B = self.blocks.block_size
+        MB = -(-self.cfg.max_position // B)
         long = dict(dtype=torch.long, device=self.device)
-        # one [S, 3] tensor (position, last token, loop step) so that a stage's updates are one copy
-        self.slot_meta = torch.zeros(S, 3, **long)
-        self.pos, self.tok, self.step = self.slot_meta.unbind(1)
-        self.bt = torch.zeros(S, -(-self.cfg.max_position // B), **long)  # the scratch slot's table stays 0
-        self._j = torch.arange(self.bt.shape[1] * B, **long)  # context offsets, sliced per stage
+        # one flat tensor: [S, 2] (position, loop step), then the block tables [S, MB], so that the
+        # rewrites of a stage are one index_copy_ of (flat index, value) pairs
+        self._flat = torch.zeros(S * 2 + S * MB, **long)
+        self.slot_meta = self._flat[:2 * S].view(S, 2)
+        self.pos, self.step = self.slot_meta.unbind(1)
+        self.bt = self._flat[2 * S:].view(S, MB)  # the scratch slot's table stays 0
+        self._j = torch.arange(MB * B, **long)  # context offsets, sliced per stage
         # paged attention (stages.paged_attention): decode attention reads each item's own blocks
         # through the block tables instead of gathering every context to the longest. Off by
         # default: on CUDA it needs scripts/gpu_check.py's parity and speed check first.
@@ -124,87 +133,92 @@ class ModelRunner:
         # inverse page table: each block's index in its owner's table (one entry more: the block of
         # the layout's scratch row); stale entries of freed blocks are harmless (see PagedContext)
         self.page_index = torch.zeros(self.blocks.num_blocks + 1, **long)
-        self._own: list[Sequence | None] = [None] * S
-        self._hpos, self._nblk = [-1] * S, [0] * S
-        # slots whose sequence may have changed since its last upload (it emitted a token, grew a
-        # block, or was invalidated); the others are known to match the device
-        self._stale: set[int] = set()
-        self._prev: tuple = (None, None, 0)  # the last upload (seqs, slots, longest): see _upload
+        self._own: list[Sequence | None] = [None] * S  # whose block table the device holds, per slot
+        self._nblk = [0] * S  # how many entries of it
+        self._redo: list[Sequence] = []  # to rewrite at the next upload (Work.changed, invalidate)
+        self._prev: tuple = (None, None, 0)  # the last upload (seqs, slots, context blocks): see _upload
         self.attention_stats: dict | None = None  # see _count_attention
 
     def invalidate(self, slot: int) -> None:
-        """Forget what the device holds for `slot` (its next stage rewrites it from the Sequence):
-        call it when a sequence's block table or loop state changes behind the runner's back."""
+        """Forget what the device holds for `slot`: its sequence's metadata and whole block table are
+        rewritten at the next upload (call it when they change behind the scheduler's back)."""
+        s = self._own[slot]
         self._own[slot] = None
-        self._stale.add(slot)
+        if s is not None:
+            self._redo.append(s)
 
-    def _upload(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
-        """Apply the batch's differences to the per-slot state with one host-to-device copy.
-        Returns the padded batch's slots [N] (padding: the scratch slot) and its longest context.
-        Only stale slots are compared with their Sequence; a stage over the same sequences as the
-        previous one with nothing stale (consecutive core steps) reuses the previous slots: no copy."""
-        stale, own, hpos, nblk = self._stale, self._own, self._hpos, self._nblk
-        slots = [s.slot for s in seqs]
-        fresh = stale.isdisjoint(slots)
-        if fresh and seqs == self._prev[0]:  # identity compare, C speed
+    def _upload(self, seqs: list[Sequence], tokens: bool = False, context: bool = True) -> tuple[torch.Tensor, int]:
+        """Bring the per-slot state up to date with one host-to-device copy. Returns the stage's
+        input, the padded batch's slots [N] (padding: the scratch slot), followed with `tokens` by
+        each item's last token [N], and its context length in blocks (1 without `context`: a stage
+        with no attention layer, Ouro's prelude, reads none). A stage over the same
+        sequences as the previous one with nothing to send (consecutive core steps) reuses the
+        previous slots: no copy, no per-item work."""
+        redo = self._redo
+        if not tokens and not redo and seqs == self._prev[0]:  # identity compare, C speed
             if self.attention_stats is not None:
                 self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
             return self._prev[1], self._prev[2]
-        check = seqs if not fresh or not all(map(is_, map(own.__getitem__, slots), seqs)) else ()
-        upd: list[int] = []  # (slot, position, last token, loop step) of slots whose token changed
-        bup: list[int] = []  # (flat index, block) of block-table entries the device lacks
-        MB = self.bt.shape[1]
-        for s in check:
-            sl, out = s.slot, s.output_ids
-            if sl not in stale and own[sl] is s:
+        own, nblk, MB, S = self._own, self._nblk, self.bt.shape[1], self.slot_meta.shape[0]
+        idx: list[int] = []  # flat indices into _flat (position, loop step, block-table entries)
+        val: list[int] = []
+        new_pages: list[int] = []  # (block, its index in the table) for the paged path's inverse table
+        for s in redo:
+            sl = s.slot
+            if sl < 0:  # finished or swapped out since
                 continue
-            stale.discard(sl)
-            p = len(s.prompt_ids) + len(out) - 1
-            if own[sl] is not s:  # a new sequence in this slot (admitted, swapped in, or invalidated)
-                own[sl], hpos[sl], nblk[sl] = s, -1, 0
-            if hpos[sl] != p:
-                upd += (sl, p, (out or s.prompt_ids)[-1], s.step)
-                hpos[sl] = p
-            blocks = s.blocks
-            if nblk[sl] != len(blocks):  # blocks added on demand (or a new table: rewrite it all)
-                for c in range(nblk[sl] if nblk[sl] < len(blocks) else 0, len(blocks)):
-                    bup += (sl * MB + c, blocks[c])
-                nblk[sl] = len(blocks)
-        longest = max(map(hpos.__getitem__, slots))
+            out, blocks = s.output_ids, s.blocks
+            # the device position is that of the last token whose prelude ran: a decode token
+            # waiting in the prelude queue has not had it yet (a prompt's first prelude gives position L)
+            p = len(s.prompt_ids) + len(out) - (2 if out and s.stage is Stage.PRELUDE else 1)
+            idx += (2 * sl, 2 * sl + 1)
+            val += (p, s.step)
+            c0 = nblk[sl] if own[sl] is s and nblk[sl] <= len(blocks) else 0  # grown: the new entries only
+            own[sl] = s
+            for c in range(c0, len(blocks)):
+                idx.append(2 * S + sl * MB + c)
+                val.append(blocks[c])
+                new_pages += (blocks[c], c)
+            nblk[sl] = len(blocks)
+        if redo:
+            self._redo = []
+        slots = [s.slot for s in seqs]
+        nb = max(map(nblk.__getitem__, slots)) if context and slots else 1
         n, N = len(seqs), self.padded(len(seqs))
-        buf = self._t(array("q", slots + [self.scratch_slot] * (N - n) + upd + bup))
-        if upd:
-            u = buf[N:N + len(upd)].view(-1, 4)
-            self.slot_meta.index_copy_(0, u[:, 0], u[:, 1:])
-        if bup:
-            b = buf[N + len(upd):].view(-1, 2)
-            self.bt.view(-1).index_copy_(0, b[:, 0], b[:, 1])
+        head = slots + [self.scratch_slot] * (N - n)
+        if tokens:  # the token each item embeds: its last output
+            head += [s.output_ids[-1] for s in seqs] + [0] * (N - n)
+        k = len(idx)
+        buf = self._t(array("q", head + idx + val + new_pages if self.paged else head + idx + val))
+        h = len(head)
+        if k:
+            self._flat.index_copy_(0, buf[h:h + k], buf[h + k:h + 2 * k])
             if self.paged:
-                self.page_index.index_copy_(0, b[:, 1], b[:, 0] % MB)
+                pg = buf[h + 2 * k:].view(-1, 2)
+                self.page_index.index_copy_(0, pg[:, 0], pg[:, 1])
+        inp = buf[:h] if k else buf
         if self.attention_stats is not None:
-            self._count_attention(seqs, N, longest + 1)
-        self._prev = (seqs, buf[:N], longest + 1)
-        return buf[:N], longest + 1
+            self._count_attention(seqs, N, nb)
+        self._prev = (seqs, inp[:N] if tokens else inp, nb)
+        return inp, nb
 
-    def _count_attention(self, seqs: list[Sequence], N: int, longest: int) -> None:
+    def _count_attention(self, seqs: list[Sequence], N: int, nb: int) -> None:
         """Decode attention traffic of one stage, in KV rows per attention layer: what the SDPA path
         reads (N x L, padded), what a paged kernel reads (whole blocks of each context), and the
         real context sum. Off unless `attention_stats` is a dict (bench_host turns it on)."""
         B, st = self.blocks.block_size, self.attention_stats
         ctx = [s.num_tokens for s in seqs]
         st["stages"] = st.get("stages", 0) + 1
-        st["rows_read"] = st.get("rows_read", 0) + N * self._ctx_len(longest)
+        st["rows_read"] = st.get("rows_read", 0) + N * self._ctx_blocks(nb) * B
         st["rows_paged"] = st.get("rows_paged", 0) + sum(-(-c // B) * B for c in ctx)
         st["context"] = st.get("context", 0) + sum(ctx)
 
-    def _ctx_len(self, longest: int) -> int:
-        """Context length the SDPA path attends: a multiple of the block size (on CUDA, a few
-        power-of-two buckets so that graphs and kernels see a handful of shapes)."""
-        B = self.blocks.block_size
-        L = -(-longest // B) * B
+    def _ctx_blocks(self, nb: int) -> int:
+        """Context blocks the SDPA path attends (on CUDA, a few power-of-two buckets so that graphs
+        and kernels see a handful of shapes)."""
         if self.device.type == "cuda":
-            L = min(max(B, next_pow2(L)), self.bt.shape[1] * B)
-        return L
+            nb = min(next_pow2(nb), self.bt.shape[1])
+        return nb
 
     def _rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """KV rows of positions `pos` of the sequences in `slots` (the scratch row for padding)."""
@@ -212,20 +226,28 @@ class ModelRunner:
         rows = self.bt[slots, pos // B] * B + pos % B
         return torch.where(slots == self.scratch_slot, self.layout.scratch_row, rows)
 
-    def batch_from(self, stage: Stage, slots: torch.Tensor, nb: int) -> TokenBatch:
-        """The stage's TokenBatch, gathered on the device from the per-slot state (inside the CUDA
-        graph when graphs are used): ids, positions, rows, loop steps, context rows [N, nb * B]."""
+    def batch_from(self, stage: Stage, inp: torch.Tensor, nb: int) -> tuple[torch.Tensor, TokenBatch]:
+        """The stage's slots and TokenBatch, gathered on the device from the per-slot state (inside
+        the CUDA graph when graphs are used): ids, positions, rows, loop steps, context rows
+        [N, nb * B]. A stage that embeds tokens (`inp` = slots + tokens) first moves each real
+        slot one position on: the token it embeds is the one after its previous position."""
         B = self.blocks.block_size
+        if stage.reads_tokens:
+            N = inp.shape[0] // 2
+            slots, ids = inp[:N], inp[N:]
+            self.pos.index_add_(0, slots, (slots != self.scratch_slot).long())
+        else:
+            slots, ids = inp, None
         pos = self.pos[slots]
         steps = self.step[slots] + 1 if stage is Stage.CORE else torch.ones_like(pos)
-        batch = TokenBatch(ids=self.tok[slots], positions=pos, rows=self._rows(slots, pos), steps=steps,
-                           ctx_len=pos + 1)
+        batch = TokenBatch(ids=pos if ids is None else ids, positions=pos, rows=self._rows(slots, pos), steps=steps,
+                           ctx_len=pos + 1)  # (only the prelude reads ids)
         if self.paged:
             batch.paged = PagedContext(self.bt[slots][:, :nb], self.page_index, B, flex=self.flex)
         else:
             j = self._j[: nb * B]
             batch.ctx_rows = self.bt[slots][:, :nb][:, j // B] * B + j % B
-        return batch
+        return slots, batch
 
     def enable_paged(self, compile: bool | None = None) -> None:
         """Switch decode attention to paged FlexAttention (compiled on CUDA unless `compile` is
@@ -238,11 +260,11 @@ class ModelRunner:
             if n:
                 self.invalidate(sl)
 
-    def body(self, stage: Stage, slots: torch.Tensor, nb: int, r_max: int = 0) -> torch.Tensor | None:
-        """One decode stage over a padded batch (`slots` [N], `nb` context blocks), reading and
-        writing only static buffers (so it can be captured in a CUDA graph). Returns scores [N]
-        (core), logits [N, V] (coda, fused)."""
-        return self._bodies[stage](slots, self.batch_from(stage, slots, nb), r_max)
+    def body(self, stage: Stage, inp: torch.Tensor, nb: int, r_max: int = 0) -> torch.Tensor | None:
+        """One decode stage over a padded batch (`inp`: slots [N], + their tokens for a prelude or
+        fused stage; `nb` context blocks), reading and writing only static buffers (so it can be
+        captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
+        return self._bodies[stage](*self.batch_from(stage, inp, nb), r_max)
 
     def _prelude_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> None:
         state, inj = stages.prelude(self.model, self.layout, batch)
@@ -267,6 +289,8 @@ class ModelRunner:
         return scores
 
     def _coda_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> torch.Tensor:
+        # the layout's on-exit hook (last_exited fill) first; the loop step of each slot is its exit depth
+        self.layout.on_exit(batch.rows, self.step[slots])
         return stages.coda(self.model, self.layout, batch, self.state[slots])
 
     def _fused_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int) -> torch.Tensor:
@@ -274,23 +298,22 @@ class ModelRunner:
         return stages.fused(self.model, self.layout, batch, r_max)
 
     def _decode(self, stage: Stage, seqs: list[Sequence], r_max: int = 0):
-        slots, longest = self._upload(seqs)
-        nb = self._ctx_len(longest) // self.blocks.block_size
+        inp, nb = self._upload(seqs, tokens=stage.reads_tokens,
+                               context=stage is not Stage.PRELUDE or self.cfg.n_prelude > 0)
+        nb = self._ctx_blocks(nb)
         if self.graphs is not None:
-            return self.graphs.run(stage, slots, nb, r_max), len(seqs)
-        return self.body(stage, slots, nb, r_max), len(seqs)
+            return self.graphs.run(stage, inp, nb, r_max), len(seqs)
+        return self.body(stage, inp, nb, r_max), len(seqs)
 
     # ------------------------------------------------------------------ stages
     @torch.inference_mode()
     def run(self, work: Work) -> torch.Tensor | PendingScores | None:
+        if work.changed:  # rewritten at this or the next stage that uploads (a prefill does not)
+            self._redo += work.changed
         # a launch with prompt chunks riding along runs the mixed path (mixed.py), eagerly
         if work.chunks:
-            out = self._mixed_core(work) if work.stage is Stage.CORE else mixed.run(self, work)
-        else:
-            out = self._stages[work.stage](work)
-        if work.stage.emits:  # tokens are appended (and blocks may grow) before the next stage
-            self._stale.update(s.slot for s in work.seqs + work.finals)
-        return out
+            return self._mixed_core(work) if work.stage is Stage.CORE else mixed.run(self, work)
+        return self._stages[work.stage](work)
 
     def _prelude(self, work: Work) -> None:
         self._decode(Stage.PRELUDE, work.seqs)
@@ -304,13 +327,7 @@ class ModelRunner:
         return PendingScores(mixed.run(self, work), len(work.seqs))
 
     def _coda(self, work: Work) -> torch.Tensor:
-        # the layout's on-exit hook (last_exited fill) first: nothing has read the skipped slots yet
-        n = len(work.seqs)
-        slots, longest = self._upload(work.seqs)
-        sl = slots[:n]
-        self.layout.on_exit(self._rows(sl, self.pos[sl]), self.step[sl])
-        nb = self._ctx_len(longest) // self.blocks.block_size
-        logits = self.graphs.run(Stage.CODA, slots, nb) if self.graphs is not None else self.body(Stage.CODA, slots, nb)
+        logits, n = self._decode(Stage.CODA, work.seqs)
         return logits[:n]
 
     def _fused(self, work: Work) -> torch.Tensor:

@@ -23,12 +23,18 @@ class Stage(enum.Enum):
     FUSED = "fused"  # CB: prelude + r_max core steps + coda in one launch
 
     @property
+    def reads_tokens(self) -> bool:
+        """The stage embeds each decode item's last token (its input comes with the batch)."""
+        return self in (Stage.PRELUDE, Stage.FUSED)
+
+    @property
     def emits(self) -> bool:
         """The stage ends with logits: a token is sampled for each of its sequences."""
         return self in (Stage.PREFILL, Stage.CODA, Stage.FUSED)
 
 
-@dataclass(eq=False)  # identity: queue membership tests must not compare every field
+@dataclass(eq=False, slots=True)  # identity: queue membership tests must not compare every field; slots: the
+# per-item hot loops (scheduler, engine, runner) read attributes from a fixed layout, not a dict
 class Sequence:
     seq_id: int
     request_id: str
@@ -62,6 +68,11 @@ class Sequence:
     forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
     forced_greedy: bool = True  # teacher forcing: every forced token so far was the argmax
     generator: object = None  # the request's torch.Generator (sampling with a seed)
+    # set by LLMEngine.add_request for the per-token hot path (llm_engine.py: _emit, sampler.py)
+    stop_ids: frozenset = frozenset()  # stop token ids (with the EOS ids unless ignore_eos)
+    max_out: int = 0  # output tokens at which it stops for length (max_tokens, capped by the context)
+    simple: bool = False  # no forced tokens, log-probs or text: a token, its depth and the checks above
+    sampled: bool = False  # temperature > 0 and not teacher-forced
 
     @property
     def num_tokens(self) -> int:
