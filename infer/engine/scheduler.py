@@ -74,6 +74,9 @@ class Work:
     r_max: int = 0  # FUSED: the loop steps of this iteration
     chunks: list[Sequence] = field(default_factory=list)  # mixed prefill: prompt chunks riding along
     finals: list[Sequence] = field(default_factory=list)  # the chunks whose first token this launch samples
+    # sequences whose slot or block table changed since the previous Work (admitted, grown, swapped
+    # in): the runner rewrites their per-slot metadata; every other slot is known to it already
+    changed: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -85,6 +88,7 @@ class Scheduler:
         self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
         self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
         self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
+        self.changed: list[Sequence] = []  # slot or block table changed since the last Work (Work.changed)
         self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
                          "swap_overcommits": 0}
         # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
@@ -162,6 +166,8 @@ class Scheduler:
             work = self._prefill() or self._take(Stage.CORE) or self._take(Stage.PRELUDE)
         if work is not None:
             self.last_stage = work.stage
+            if self.changed:
+                work.changed, self.changed = self.changed, []
         return work
 
     def _schedule_mixed(self) -> Work | None:
@@ -181,8 +187,10 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         decode = len(self.prelude_q) + len(self.core_q) + len(self.coda_q)
         # swapped sequences come back before any new admission (FIFO); admission leaves the watermark
-        return self.chunks.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
-                                 new=not self.swapped, keep_free=self._keep_free)
+        out = self.chunks.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
+                                new=not self.swapped, keep_free=self._keep_free)
+        self.changed += out  # new slots and block tables (a later chunk's: unchanged, rewritten all the same)
+        return out
 
     def _prelude_mixed(self, admit_only: bool = False) -> Work | None:
         """A prelude launch: the decode tokens waiting for it, the chunks admitted before, and the
@@ -236,69 +244,100 @@ class Scheduler:
             seq.blocks, seq.slot = self.blocks.allocate(need)
             batch.append(self.waiting.popleft())
             tokens += n
+        self.changed += batch
         return Work(Stage.PREFILL, batch) if batch else None
 
     # ---------------------------------------------------------------- transitions
     def postprocess(self, work: Work, scores: Scores | None = None, finished: dict[int, str] | None = None) -> None:
         """Apply a stage's outcome. CORE: its exit `scores`; stages that emit a token: `finished`
-        maps the seq_id of each sequence that stopped to its finish reason; the rest decode on."""
+        maps the seq_id of each sequence that stopped to its finish reason; the rest decode on.
+        The per-item loops here run once per item per stage: they stay free of calls where they can
+        (the host time per stage is what a GPU waits on; python -m infer.bench_host measures it)."""
         done = self.chunks.after(work.stage, work.chunks) if self.chunks is not None else []
+        seqs = work.seqs
         if work.stage is Stage.PRELUDE:
-            self._move(work.seqs, self.prelude_q, self.core_q, Stage.CORE)
-            for s in work.seqs:
-                s.step, s.step_scored, s.tracker = 0, 0, ExitTracker(s.policy)
+            self._drop(seqs, self.prelude_q)
+            core = Stage.CORE
+            for s in seqs:
+                s.stage, s.step, s.step_scored = core, 0, 0
+                t = s.tracker
+                if t is None:
+                    s.tracker = ExitTracker(s.policy)
+                else:
+                    t.reset()
+            self.core_q += seqs
         elif work.stage is Stage.CORE:
-            self._after_core(work.seqs, scores)
+            self._after_core(seqs, scores)
         else:
-            finished = finished or {}
             src = {Stage.PREFILL: None, Stage.CODA: self.coda_q, Stage.FUSED: self.prelude_q}[work.stage]
             if src is not None:
-                self._move(work.seqs, src, None, None)
-            emitted = work.seqs + done  # done: chunks that completed their prompt (first token sampled)
-            for s in emitted:
-                if s.seq_id in finished:
-                    self.finish(s, finished[s.seq_id])
-            going = [s for s in emitted if s.seq_id not in finished]
-            self._move(going, None, self.prelude_q, Stage.PRELUDE)
-            for s in sorted(going, key=lambda s: s.seq_id):  # oldest first: it keeps its memory
-                if s in self.prelude_q:  # not preempted for an older one
-                    self._grow(s)
+                self._drop(seqs, src)
+            going = seqs + done if done else seqs  # done: chunks that completed their prompt (first token sampled)
+            if finished:
+                for s in going:
+                    if s.seq_id in finished:
+                        self.finish(s, finished[s.seq_id])
+                going = [s for s in going if s.seq_id not in finished]
+            pre = Stage.PRELUDE
+            for s in going:
+                s.stage = pre
+            self.prelude_q += going
+            # the block of the next token's row, oldest first (it keeps its memory); only a sequence
+            # whose next row falls past its last block needs one (one token in block_size)
+            B = self.blocks.block_size
+            need = [s for s in going if len(s.prompt_ids) + len(s.output_ids) > len(s.blocks) * B]
+            if need:
+                need.sort(key=lambda s: s.seq_id)
+                for s in need:
+                    if s.slot >= 0:  # not preempted for an older one meanwhile
+                        self._grow(s)
+
+    @staticmethod
+    def _drop(seqs: list[Sequence], q: list[Sequence]) -> None:
+        """Take a stage's batch out of the queue it was taken from (all of it, usually)."""
+        if len(seqs) == len(q):  # the batch is a copy of the whole queue (`_take`), nothing joined since
+            q.clear()
+        elif seqs:
+            ids = {id(s) for s in seqs}
+            q[:] = [s for s in q if id(s) not in ids]
 
     def _after_core(self, seqs: list[Sequence], scores: Scores) -> None:
         """Advance every item one step, feed the exit trackers, move the items that exit to the coda
         queue. Synchronous: this step's scores decide now. Pipelined (lookahead): the previous core
         step's scores are read here, and they already decide who exits after this step."""
+        exited = []
         if self.pipeline:
             prev, self._pending = self._pending, (seqs, scores)
             if prev is not None:
                 self._score(*prev)
             for s in seqs:
-                s.step += 1
+                s.step = st = s.step + 1
+                if st >= s.tracker.stop_at:
+                    exited.append(s)
         else:
-            for s in seqs:
-                s.step += 1
-            self._score(seqs, scores)
-        exited = [s for s in seqs if s.tracker.exits_after(s.step)]
-        self._move(exited, self.core_q, self.coda_q, Stage.CODA)
+            for s, x in zip(seqs, scores.get()):
+                s.step = st = s.step + 1
+                t = s.tracker
+                if t.open:
+                    t.after_step(st, x)
+                if st >= t.stop_at:
+                    exited.append(s)
+        if exited:
+            self._drop(exited, self.core_q)
+            coda = Stage.CODA
+            for s in exited:
+                s.stage = coda
+            self.coda_q += exited
 
     @staticmethod
     def _score(items: list[Sequence], scores: Scores) -> None:
+        core = Stage.CORE
         for s, x in zip(items, scores.get()):
-            if s.stage is Stage.CORE and s.step_scored < s.step:  # still looping on the step that was scored
-                s.tracker.after_step(s.step, x)
+            if s.stage is core and s.step_scored < s.step:  # still looping on the step that was scored
+                t = s.tracker
+                if t.open:
+                    t.after_step(s.step, x)
                 s.step_scored = s.step
-
-    def _move(self, seqs: list[Sequence], src: list[Sequence] | None, dst: list[Sequence] | None,
-              stage: Stage | None) -> None:
-        if not seqs:
-            return
-        if src is not None:
-            ids = {id(s) for s in seqs}
-            src[:] = [s for s in src if id(s) not in ids]
-        if dst is not None:
-            for s in seqs:
-                s.stage = stage
-            dst.extend(seqs)
 
     # ---------------------------------------------------------------- memory
     def _keep_free(self, admitted: int) -> int:
@@ -321,6 +360,7 @@ class Scheduler:
             self._swap_out(victim)
             if victim is s:
                 return
+        self.changed.append(s)
 
     def _holders(self) -> list[Sequence]:
         return self.prelude_q + self.core_q + self.coda_q + self.stalled
@@ -349,6 +389,7 @@ class Scheduler:
                 break
             self.stalled.remove(s)
             self.prelude_q.append(s)
+            self.changed.append(s)
         while self.swapped and not self.stalled:
             s, stage, n = self.swapped[0]
             if not self.blocks.can_allocate(s.position + 1, self._keep_free(0)):
@@ -356,6 +397,7 @@ class Scheduler:
             s.blocks, s.slot = self.blocks.allocate(s.position + 1)
             self.swapped.pop(0)
             self.swap_ops.append(SwapOp("in", s, s.blocks, s.slot))
+            self.changed.append(s)
             self.counters["swapped_in_blocks"] += n
             {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[stage].append(s)
             s.stage = stage
