@@ -26,6 +26,10 @@ from .scheduler import Scheduler, Work
 from .sequence import Sequence, Stage
 
 
+STAGE_NAMES = {s: s.value for s in Stage}  # (Enum.value is a descriptor call: this runs once per stage)
+EMITS = frozenset(s for s in Stage if s.emits)
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -146,6 +150,12 @@ class LLMEngine:
                                            f"max_tokens or raise kv_cache_tokens / kv_cache_memory")
         seq.text_prompt = text_prompt
         seq.forced = list(forced_output) if forced_output is not None else None
+        # what _emit's call-free path checks per token (the same rules as _stop_reason)
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
+        seq.max_out = min(params.max_tokens, self.max_model_len - len(ids))
+        seq.simple = (seq.forced is None and not params.logprobs and params.prompt_logprobs is None
+                      and self.tokenizer is None)
+        seq.sampled = params.temperature > 0 and seq.forced is None
         seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                       else self.config.seed * 1_000_003 + seq.seq_id)
         self.seqs[rid] = seq
@@ -176,58 +186,85 @@ class LLMEngine:
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
         t0 = time.perf_counter()
         out = self.runner.run(work)
-        if work.stage.emits:
+        stage = work.stage
+        emits = stage in EMITS
+        if emits:
             self.scheduler.postprocess(work, finished=self._emit(work, out))
         else:
             self.scheduler.postprocess(work, scores=out)
         calls = self.stats["stage_calls"]
-        calls[work.stage.value] = calls.get(work.stage.value, 0) + 1
+        name = STAGE_NAMES[stage]
+        calls[name] = calls.get(name, 0) + 1
         if record is not None:
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize()
             record["seconds"] = time.perf_counter() - t0
             self.trace.append(record)
-        return work.seqs + work.finals if work.stage.emits else []
+        if not emits:
+            return []
+        return work.seqs + work.finals if work.finals else work.seqs
 
     def _emit(self, work: Work, logits: torch.Tensor) -> dict[int, str]:
         """Sample the next token of each sequence and check its stop conditions; returns the finish
-        reason of each sequence (by seq_id) that stops."""
+        reason of each sequence (by seq_id) that stops. A decode item with nothing beyond a token,
+        its depth and the length / stop-id checks (`Sequence.simple`) takes a call-free path: this
+        loop runs once per item per coda."""
         seqs = work.seqs + work.finals  # finals: prompt chunks whose first token this launch samples
         chosen = self.sampler(logits, seqs)  # one batched call, one device-to-host copy
-        need_lp = any(s.params.logprobs for s in seqs)
-        logp = torch.log_softmax(logits.double(), -1) if need_lp else None
         now = time.perf_counter()
         n_decode = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # the prefill's tokens: full depth
+        fused = work.r_max if work.stage is Stage.FUSED else 0
+        finished: dict[int, str] = {}
+        depth_sum = 0
+        slow = []
+        for i, (s, tok) in enumerate(zip(work.seqs if n_decode else (), chosen)):
+            d = fused or s.step
+            depth_sum += d
+            if s.simple:
+                out = s.output_ids
+                out.append(tok)
+                s.exit_depths.append(d)
+                s.token_times.append(now)
+                if tok in s.stop_ids or len(out) >= s.max_out:
+                    finished[s.seq_id] = "stop" if tok in s.stop_ids else "length"
+                    s.finish_time = now
+            else:
+                slow.append((i, d))
         r_full = self.model.cfg.r_max
-        finished = {}
-        for i, s in enumerate(seqs):
-            decode = i < n_decode
-            p = s.params
-            tok = chosen[i]
-            if s.forced is not None:  # the sampler gave the argmax: was the forced token the greedy one?
-                forced = s.forced[len(s.output_ids)]
-                s.forced_greedy = s.forced_greedy and tok == forced
-                tok = forced
-            d = r_full if not decode else work.r_max if work.stage is Stage.FUSED else s.step
-            s.output_ids.append(tok)
-            s.exit_depths.append(d)
-            s.token_times.append(now)
-            if s.first_token_time is None:
-                s.first_token_time = now
-            if logp is not None and p.logprobs:
-                s.logprobs.append(float(logp[i, tok]))
-                if p.top_logprobs:
-                    s.top_logprobs.append(top_logprobs(logp[i], p.top_logprobs, tok))
-            if s.prompt_logits is not None:
-                prompt_logprobs(s)
-            if decode:  # keep the prefill's full-depth token out of the mean exit depth
-                self.stats["tokens"] += 1
-                self.stats["depth_sum"] += d
-            reason = self._stop_reason(s, tok)
-            if reason:
-                finished[s.seq_id] = reason
-                s.finish_time = now
+        slow += ((i, r_full) for i in range(n_decode, len(seqs)))  # first tokens: full depth
+        if slow:
+            need_lp = any(seqs[i].params.logprobs for i, _ in slow)
+            logp = torch.log_softmax(logits.double(), -1) if need_lp else None
+            for i, d in slow:
+                chosen[i] = self._emit_one(seqs[i], chosen[i], d, i, logp, now, finished)
+        self.stats["tokens"] += n_decode  # the prefill's full-depth token stays out of the mean exit depth
+        self.stats["depth_sum"] += depth_sum
         return finished
+
+    def _emit_one(self, s: Sequence, tok: int, d: int, i: int, logp: torch.Tensor | None, now: float,
+                  finished: dict[int, str]) -> int:
+        """One row of `_emit` with everything a request may ask for; returns the token it emitted."""
+        p = s.params
+        if s.forced is not None:  # the sampler gave the argmax: was the forced token the greedy one?
+            forced = s.forced[len(s.output_ids)]
+            s.forced_greedy = s.forced_greedy and tok == forced
+            tok = forced
+        s.output_ids.append(tok)
+        s.exit_depths.append(d)
+        s.token_times.append(now)
+        if s.first_token_time is None:
+            s.first_token_time = now
+        if logp is not None and p.logprobs:
+            s.logprobs.append(float(logp[i, tok]))
+            if p.top_logprobs:
+                s.top_logprobs.append(top_logprobs(logp[i], p.top_logprobs, tok))
+        if s.prompt_logits is not None:
+            prompt_logprobs(s)
+        reason = self._stop_reason(s, tok)
+        if reason:
+            finished[s.seq_id] = reason
+            s.finish_time = now
+        return tok
 
     def _stop_reason(self, s: Sequence, tok: int) -> str | None:
         p = s.params

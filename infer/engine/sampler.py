@@ -13,11 +13,15 @@ The chosen ids of every row come back to the host in one device-to-host copy.
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from looplm.sampling import choose_token
 
 from .sequence import Sequence
+
+_sampled = attrgetter("sampled")
 
 
 def sample_batched(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -45,9 +49,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """The next token of each row of `logits` [n, V] (teacher-forced rows: the argmax)."""
         greedy = logits.argmax(-1)
-        free = [i for i, s in enumerate(seqs) if s.params.temperature > 0 and s.forced is None]
-        if not free:
+        if not any(map(_sampled, seqs)):
             return greedy.tolist()
+        free = [i for i, s in enumerate(seqs) if s.sampled]
         seeded = [i for i in free if seqs[i].params.seed is not None]
         rest = [i for i in free if seqs[i].params.seed is None]
         if rest:
