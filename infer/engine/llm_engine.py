@@ -295,15 +295,19 @@ class LLMEngine:
         """Queue lengths, KV memory and token counters (what a server's /metrics shows)."""
         b = self.blocks
         return {"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
-                "kv_usage": b.usage, "kv_free_blocks": len(b.free_blocks), "kv_total_blocks": b.num_blocks,
+                "kv_usage": b.usage, "kv_free_blocks": b.num_free, "kv_total_blocks": b.num_blocks,
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
                 "stage_calls": dict(self.stats["stage_calls"]), **self.memory_metrics()}
 
     def memory_metrics(self) -> dict:
-        """KV pool and preemption counters (swap bytes: KV blocks + one state slot per copy)."""
+        """KV pool, preemption and prefix-cache counters (swap bytes: KV blocks + one state slot per
+        copy; prefix cache: prompt tokens looked up and found, vLLM's names, and cached free blocks)."""
         sch, c = self.scheduler, self.scheduler.counters
         moved = c["swapped_out_blocks"] + c["swapped_in_blocks"]
+        q, h = c.get("prefix_cache_queries", 0), c.get("prefix_cache_hits", 0)
         return {"kv_pool_tokens": self.blocks.num_blocks * self.blocks.block_size,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "max_model_len": self.max_model_len,
                 "swapped": len(sch.swapped), "stalled": len(sch.stalled), **c,
-                "swap_bytes": moved * self.block_bytes + 2 * c["preemptions"] * self.slot_bytes}
+                "swap_bytes": moved * self.block_bytes + 2 * c["preemptions"] * self.slot_bytes,
+                "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": h / q if q else 0.0,
+                "prefix_cache_blocks": len(self.blocks.cached), "prefix_cache_evictions": self.blocks.evictions}
