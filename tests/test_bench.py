@@ -244,3 +244,16 @@ def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
     assert all(v["median"] > 0 and v["p90"] >= v["median"] for v in d["host_us"]["16"].values())
     att = d["attention"]["16"]
     assert att["rows_paged"] >= att["context"] > 0 and att["rows_read"] >= att["rows_paged"]
+
+
+def test_prefix_bench_runs_and_caching_helps(capsys):
+    """python -m infer.bench.prefix on the simulator: same requests with caching off and on; every
+    request after the first ones hits the shared 512-token prefix, so fewer prompt tokens are
+    prefilled and TTFT falls."""
+    from infer.bench import prefix
+    d = prefix.main(["--engine", "sim", "--num-requests", "40", "--rate", "200"])
+    off, on = d["results"]["off"], d["results"]["on"]
+    assert off["prefix_cache_hits"] == 0 and on["prefix_cache_hit_rate"] > 0.8
+    assert on["prompt_tokens_prefilled"] == off["prompt_tokens_prefilled"] - on["prefix_cache_hits"]
+    assert on["ttft_mean_s"] < off["ttft_mean_s"] and d["ttft_mean_ratio_off_over_on"] > 1
+    assert json.loads(capsys.readouterr().out)["results"]["on"] == on
