@@ -147,6 +147,9 @@ def test_bench_json_has_every_field(bench_json):
         for k in bench.RESULT_FIELDS + ("seconds", "num_requests", "output_tokens"):
             assert k in r and r[k] is not None, k
         assert r["output_tokens"] == blk["workload"]["output_tokens"]  # same lengths for every policy
+        # the timed pass's own prefix-cache lookups (the warm-up's are not counted, its cache is reset)
+        on = r["engine_config"]["prefix_caching_enabled"]
+        assert r["prefix_cache"]["queries"] == (blk["workload"]["prompt_tokens"] if on else 0)
     cb = blk["results"][0]
     assert cb["speedup_vs_cb"] == 1.0 and cb["s_e2e"] == 1.0 and cb["mean_exit_depth"] == 4
     assert 0 <= cb["alpha"] < 1

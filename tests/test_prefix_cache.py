@@ -119,6 +119,11 @@ def test_hit_is_capped_and_only_the_suffix_is_prefilled():
     assert m["prefix_cache_queries"] == 12 + 12 + 13
     assert m["prefix_cache_hit_rate"] == pytest.approx(20 / 37)
     assert m["prefix_cache_blocks"] == 3 and eng.blocks.all_free  # cached blocks count as free
+    eng.reset_prefix_cache()  # forgotten: the same prompt again finds nothing
+    eng.add_request(p + [5], SamplingParams(max_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.metrics()["prefix_cache_hits"] == m["prefix_cache_hits"] and eng.blocks.all_free
 
 
 @pytest.mark.parametrize("mode,lookahead", [("cb", False), ("norefill", False), ("refill_k1", False),

@@ -47,7 +47,8 @@ def run_one(eng: LLMEngine, reqs, max_tokens: int, clock) -> dict:
     m = eng.metrics()
     return {"mean_running_batch": busy / max(tw, 1e-12), "output_tokens": toks, "seconds": secs,
             "output_tok_per_s": toks / secs, **{k: m[k] for k in ("preemptions", "swapped_out_blocks", "swap_bytes",
-                                                                  "swap_overcommits", "kv_pool_tokens")}}
+                                                                  "swap_overcommits", "kv_pool_tokens",
+                                                                  "prefix_cache_hit_rate")}}
 
 
 def main(argv=None) -> dict:

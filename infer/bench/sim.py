@@ -36,7 +36,7 @@ from looplm.presets import PAPER_MODELS, paper_config
 
 from . import bounds as B
 from .latency import StageFit, fit_trace
-from .offline import bounds_block, headline, modes_for, raw_from, summarize
+from .offline import bounds_block, headline, modes_for, prefix_cache, raw_from, summarize
 from .report import format_table, plot
 from .workloads import WORKLOADS, Request, describe, make_requests
 
@@ -289,7 +289,8 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
     while eng.has_unfinished():
         eng.step()
     run = eng.runner
-    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config)
+    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
+                    prefix_cache=prefix_cache(eng.metrics()))
 
 
 def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]], modes: list[dict] | None = None,

@@ -119,6 +119,13 @@ class BlockManager:
         if h not in self.by_hash and block not in self.hash_of:
             self.by_hash[h], self.hash_of[block] = block, h
 
+    def reset_cache(self) -> None:
+        """Forget every registered prefix: cached blocks become plain free blocks, held ones private."""
+        self.free_blocks.extend(self.cached)
+        self.cached.clear()
+        self.by_hash.clear()
+        self.hash_of.clear()
+
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks

@@ -287,6 +287,11 @@ class LLMEngine:
         s = self.seqs.get(request_id)
         return s is not None and s.started
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes (vLLM's name): a benchmark pass that repeats the same
+        requests on one engine then starts cold instead of hitting the previous pass's blocks."""
+        self.blocks.reset_cache()
+
     @property
     def mean_exit_depth(self) -> float:
         return self.stats["depth_sum"] / max(1, self.stats["tokens"])
