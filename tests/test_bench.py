@@ -260,3 +260,30 @@ def test_prefix_bench_runs_and_caching_helps(capsys):
     assert on["prompt_tokens_prefilled"] == off["prompt_tokens_prefilled"] - on["prefix_cache_hits"]
     assert on["ttft_mean_s"] < off["ttft_mean_s"] and d["ttft_mean_ratio_off_over_on"] > 1
     assert json.loads(capsys.readouterr().out)["results"]["on"] == on
+
+
+def test_sim_charges_swaps_at_pcie_bandwidth():
+    """SimRunner.swap: a preemption costs its KV blocks + state slot each way at the PCIe bandwidth
+    (the engine's own swap_bytes count), added to the virtual clock; scheduling does not change."""
+    from functools import partial
+
+    from infer import EngineConfig, LLMEngine, SamplingParams
+
+    cfg = paper_config("ouro-1.4b")
+    reqs = [workloads.Request([3 + i] * 20, 30, 20, 30) for i in range(8)]
+    depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
+    runs = []
+    for bw in (1e10, 1e30):
+        eng = LLMEngine(sim.SimModel(cfg), EngineConfig(kv_cache_tokens=160, watermark=0.0, max_batch_size=8,
+                                                         exit_criterion="learned", exit_threshold=0.5),
+                        runner_cls=partial(sim.SimRunner, cost=sim.RooflineCost(cfg), depths=depths, pcie_bandwidth=bw))
+        for i, r in enumerate(reqs):
+            eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                            request_id=str(i))
+        while eng.has_unfinished():
+            eng.step()
+        runs.append((eng.runner, eng.metrics()))
+    (slow, m), (fast, m2) = runs
+    assert m["preemptions"] > 0 and m == m2
+    assert slow.swap_seconds == pytest.approx(m["swap_bytes"] / 1e10)
+    assert slow.clock - fast.clock == pytest.approx(slow.swap_seconds - fast.swap_seconds)

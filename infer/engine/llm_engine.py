@@ -168,7 +168,7 @@ class LLMEngine:
         work = self.scheduler.schedule()
         ops = self.scheduler.take_swaps()
         if ops:  # before the stage: it may write into the blocks a swap-out frees
-            swap = getattr(self.runner, "swap", None)  # a cost-model runner holds no data to move
+            swap = getattr(self.runner, "swap", None)  # the simulator's runner charges the copies' time
             if swap is not None:
                 swap(ops)
         if work is None:
