@@ -147,6 +147,22 @@ def test_prefix_caching_with_preemption_is_exact(mode, lookahead):
     assert eng.blocks.all_free and not eng.runner.__dict__.get("_host_swap")
 
 
+def test_paged_decode_attention_reads_shared_blocks():
+    """Paged decode attention (block tables + an inverse page table, eager FlexAttention on CPU):
+    a shared block sits at the same logical index in every table that holds it (its hash encodes
+    its position), so the page table stays valid; outputs equal the gather path without caching."""
+    seed = 17
+    print("seed", seed)
+    reqs = shared_prefix_workload(seed, n=6)
+    base = dict(BASE, policy="cdb", min_coda_batch=2, kv_cache_tokens=256)
+    want = run(LLMEngine(model("ouro-tiny"), EngineConfig(enable_prefix_caching=False, **base)), reqs, seed)
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(**base))
+    eng.runner.enable_paged(compile=False)
+    got = run(eng, reqs, seed)
+    assert eng.metrics()["prefix_cache_hits"] > 0
+    assert_same(want, got)
+
+
 def test_eviction_is_exact():
     """Five system prompts of 3 blocks cycle through a 14-block pool: cached blocks are evicted
     (least recently used first) and later prompts recompute them; still exact."""
