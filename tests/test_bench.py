@@ -147,6 +147,9 @@ def test_bench_json_has_every_field(bench_json):
         for k in bench.RESULT_FIELDS + ("seconds", "num_requests", "output_tokens"):
             assert k in r and r[k] is not None, k
         assert r["output_tokens"] == blk["workload"]["output_tokens"]  # same lengths for every policy
+        # the timed pass's own prefix-cache lookups (the warm-up's are not counted, its cache is reset)
+        on = r["engine_config"]["prefix_caching_enabled"]
+        assert r["prefix_cache"]["queries"] == (blk["workload"]["prompt_tokens"] if on else 0)
     cb = blk["results"][0]
     assert cb["speedup_vs_cb"] == 1.0 and cb["s_e2e"] == 1.0 and cb["mean_exit_depth"] == 4
     assert 0 <= cb["alpha"] < 1
@@ -244,3 +247,43 @@ def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
     assert all(v["median"] > 0 and v["p90"] >= v["median"] for v in d["host_us"]["16"].values())
     att = d["attention"]["16"]
     assert att["rows_paged"] >= att["context"] > 0 and att["rows_read"] >= att["rows_paged"]
+
+
+def test_prefix_bench_runs_and_caching_helps(capsys):
+    """python -m infer.bench.prefix on the simulator: same requests with caching off and on; every
+    request after the first ones hits the shared 512-token prefix, so fewer prompt tokens are
+    prefilled and TTFT falls."""
+    from infer.bench import prefix
+    d = prefix.main(["--engine", "sim", "--num-requests", "40", "--rate", "200"])
+    off, on = d["results"]["off"], d["results"]["on"]
+    assert off["prefix_cache_hits"] == 0 and on["prefix_cache_hit_rate"] > 0.8
+    assert on["prompt_tokens_prefilled"] == off["prompt_tokens_prefilled"] - on["prefix_cache_hits"]
+    assert on["ttft_mean_s"] < off["ttft_mean_s"] and d["ttft_mean_ratio_off_over_on"] > 1
+    assert json.loads(capsys.readouterr().out)["results"]["on"] == on
+
+
+def test_sim_charges_swaps_at_pcie_bandwidth():
+    """SimRunner.swap: a preemption costs its KV blocks + state slot each way at the PCIe bandwidth
+    (the engine's own swap_bytes count), added to the virtual clock; scheduling does not change."""
+    from functools import partial
+
+    from infer import EngineConfig, LLMEngine, SamplingParams
+
+    cfg = paper_config("ouro-1.4b")
+    reqs = [workloads.Request([3 + i] * 20, 30, 20, 30) for i in range(8)]
+    depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
+    runs = []
+    for bw in (1e10, 1e30):
+        eng = LLMEngine(sim.SimModel(cfg), EngineConfig(kv_cache_tokens=160, watermark=0.0, max_batch_size=8,
+                                                         exit_criterion="learned", exit_threshold=0.5),
+                        runner_cls=partial(sim.SimRunner, cost=sim.RooflineCost(cfg), depths=depths, pcie_bandwidth=bw))
+        for i, r in enumerate(reqs):
+            eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                            request_id=str(i))
+        while eng.has_unfinished():
+            eng.step()
+        runs.append((eng.runner, eng.metrics()))
+    (slow, m), (fast, m2) = runs
+    assert m["preemptions"] > 0 and m == m2
+    assert slow.swap_seconds == pytest.approx(m["swap_bytes"] / 1e10)
+    assert slow.clock - fast.clock == pytest.approx(slow.swap_seconds - fast.swap_seconds)

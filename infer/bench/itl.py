@@ -37,6 +37,13 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
+def cpu_model(max_position: int, seed: int = 0):
+    """The CPU benches' random Ouro-style model: big enough that prefill costs something, with a
+    context for long prompts (the demo checkpoints stop at 512)."""
+    return tiny_model("ouro-tiny", seed=seed, hidden_size=256, intermediate_size=768, num_heads=8, num_kv_heads=4,
+                      head_dim=32, n_core=4, max_position=max_position)
+
+
 def itl_run(eng: LLMEngine, clock, running: int, prompt_len: int, vocab: int, seed: int, after_steps: int = 64) -> dict:
     """The scenario on one engine; `clock()` is the time source (wall or virtual seconds)."""
     rng = random.Random(seed)
@@ -98,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             clock = (lambda e=eng: e.runner.clock)
             vocab = cfg.vocab_size
         else:
-            m = tiny_model("ouro-tiny", seed=a.seed, hidden_size=256, intermediate_size=768, num_heads=8,
-                           num_kv_heads=4, head_dim=32, n_core=4, max_position=a.prompt_len + 1024)
+            m = cpu_model(a.prompt_len + 1024, a.seed)
             torch.set_num_threads(1)
             eng = LLMEngine(m, EngineConfig(**kw, kv_cache_tokens=(a.running + 1) * 700 + a.prompt_len + 64,
                                             exit_threshold=0.5))

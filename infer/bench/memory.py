@@ -8,8 +8,8 @@ batch (over engine steps, weighted by stage time), output tok/s, preemptions, sw
     python -m infer.bench_memory --model ouro-tiny --num-requests 64          # CPU, the demo model
     python -m infer.bench_memory --model ouro-1.4b --sim --num-requests 400   # simulator, H100 shapes
 
-On the simulator swaps cost nothing (SimRunner moves no data): its preemption count and swap
-bytes are reported so that the cost can be judged (swap bytes / PCIe bandwidth).
+On the simulator a swap costs its bytes (KV blocks + the state slot, each way) at
+`--pcie-bandwidth` on the virtual clock, in series with the stages (`swap_seconds` in the JSON).
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def run_one(eng: LLMEngine, reqs, max_tokens: int, clock) -> dict:
     m = eng.metrics()
     return {"mean_running_batch": busy / max(tw, 1e-12), "output_tokens": toks, "seconds": secs,
             "output_tok_per_s": toks / secs, **{k: m[k] for k in ("preemptions", "swapped_out_blocks", "swap_bytes",
-                                                                  "swap_overcommits", "kv_pool_tokens")}}
+                                                                  "swap_overcommits", "kv_pool_tokens",
+                                                                  "prefix_cache_hit_rate")}}
 
 
 def main(argv=None) -> dict:
@@ -61,6 +62,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--kv-layout", default="last_exited")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pcie-bandwidth", type=float, default=25e9, help="sim: host <-> device bytes/s of a swap")
     a = ap.parse_args(argv)
     base = dict(kv_layout=a.kv_layout, max_batch_size=a.max_batch_size, exit_threshold=0.5)
     if a.sim:
@@ -74,7 +76,8 @@ def main(argv=None) -> dict:
         base.update(kv_cache_tokens=kvt, exit_criterion="learned", max_prefill_tokens=8192)
 
         def engine(reserve):
-            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=a.kv_layout), depths=depths)
+            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=a.kv_layout), depths=depths,
+                             pcie_bandwidth=a.pcie_bandwidth)
             return LLMEngine(SimModel(cfg), EngineConfig(**base, reserve_kv=reserve), runner_cls=runner)
 
         def clock_of(eng):
@@ -97,6 +100,8 @@ def main(argv=None) -> dict:
     for name, reserve in (("reserve", True), ("on_demand", False)):
         eng = engine(reserve)
         out[name] = run_one(eng, reqs, a.max_tokens, clock_of(eng))
+        if a.sim:
+            out[name]["swap_seconds"] = eng.runner.swap_seconds
     out["batch_ratio"] = out["on_demand"]["mean_running_batch"] / out["reserve"]["mean_running_batch"]
     out["throughput_ratio"] = out["on_demand"]["output_tok_per_s"] / out["reserve"]["output_tok_per_s"]
     print(json.dumps(out, indent=1))

@@ -60,6 +60,8 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     """Run every request through an (idle) engine; the raw measurement. The engine can be reused:
     its CUDA graphs, once captured by a first pass, are not captured again inside a timed run."""
     eng.trace = []
+    eng.reset_prefix_cache()  # each pass starts cold: only sharing inside the request list counts
+    m0 = eng.metrics()
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
     done = 0
@@ -80,7 +82,14 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     bad = [i for i, (o, r) in enumerate(zip(outs, requests)) if len(o.token_ids) != r.output_len]
     if bad:
         raise RuntimeError(f"{mode['name']}: requests {bad[:5]} produced a different number of tokens than asked")
-    return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace)
+    return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace, prefix_cache(eng.metrics(), m0))
+
+
+def prefix_cache(after: dict, before: dict | None = None) -> dict:
+    """Prefix-cache lookups of one pass (engine metrics after it, minus before it): prompt tokens
+    looked up, found, and the hit rate."""
+    q, h = (after[k] - (before or {}).get(k, 0) for k in ("prefix_cache_queries", "prefix_cache_hits"))
+    return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0}
 
 
 def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, progress=None,
@@ -89,8 +98,8 @@ def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, 
     return run_engine(make_engine(model, tokenizer, mode, base), mode, requests, progress, keep_trace)
 
 
-def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True
-             ) -> dict:
+def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
+             prefix_cache: dict | None = None) -> dict:
     """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
     `config` is the engine's resolved config."""
     stages: dict[str, dict] = {}
@@ -115,7 +124,7 @@ def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: Engine
             "prefill_seconds": pre["seconds"], "prefill": {**pre, "share": pre["seconds"] / traced if traced else None},
             "traced_seconds": traced,
             "steps": len(trace), "stages": stages, "trace": trace if keep_trace else None,
-            "exit_depths": [list(o.exit_depths) for o in outs]}
+            "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache}
 
 
 def prefill_breakdown(trace: list[dict]) -> dict:
@@ -154,6 +163,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "mean_exit_depth": d, "exit_depth_hist": r["exit_depth_hist"],
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
                "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
+               "prefix_cache": r.get("prefix_cache"),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
         if alpha_cb is not None:
             b = B.bound(cfg, d, alpha_cb, ctx)

@@ -26,9 +26,10 @@ import torch
 from infer.engine.config import EngineConfig
 from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
+from infer.engine.memory import state_slot_bytes
 from infer.engine.runner import next_pow2
 from infer.engine.sampling import SamplingParams
-from infer.engine.scheduler import Work
+from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
 from kv_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_class
 from looplm.config import LoopConfig
@@ -36,7 +37,7 @@ from looplm.presets import PAPER_MODELS, paper_config
 
 from . import bounds as B
 from .latency import StageFit, fit_trace
-from .offline import bounds_block, headline, modes_for, raw_from, summarize
+from .offline import bounds_block, headline, modes_for, prefix_cache, raw_from, summarize
 from .report import format_table, plot
 from .workloads import WORKLOADS, Request, describe, make_requests
 
@@ -219,15 +220,34 @@ class _Scores:
 
 class SimRunner:
     """A `Runner` on a virtual clock (see the module docstring): ModelRunner's constructor, each
-    `run` charges the cost model's time for the stage and batch."""
+    `run` charges the cost model's time for the stage and batch, each `swap` the bytes a
+    preemption moves (KV blocks + the state slot, each way) at `pcie_bandwidth` bytes/s. Swaps are
+    charged in series with the stages: ModelRunner queues its copies on the compute stream."""
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
-                 cost, depths: list[list[int]], **_):
+                 cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, **_):
         self.model, self.cfg, self.blocks = model, model.cfg, blocks
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
         self.cost, self.depths = cost, depths
+        self.block_bytes = blocks.block_size * layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
+        self.slot_bytes = state_slot_bytes(model, criterion)
+        self.pcie_bandwidth = pcie_bandwidth
         self.clock = 0.0
+        self.swap_seconds = 0.0
+        self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
         self.trace: list[dict] = []
+
+    def swap(self, ops: list[SwapOp]) -> None:
+        for op in ops:
+            sid = op.seq.seq_id
+            if op.kind == "out":
+                self._out[sid] = n = len(op.blocks)
+            else:
+                n = self._out.pop(sid, 0)
+            if op.kind != "drop":
+                t = (n * self.block_bytes + self.slot_bytes) / self.pcie_bandwidth
+                self.clock += t
+                self.swap_seconds += t
 
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
@@ -289,7 +309,8 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
     while eng.has_unfinished():
         eng.step()
     run = eng.runner
-    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config)
+    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
+                    prefix_cache=prefix_cache(eng.metrics()))
 
 
 def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]], modes: list[dict] | None = None,

@@ -5,10 +5,30 @@ one more block whenever its next token's row falls past its last block (`grow`).
 the one block table; `row(blocks, pos)` maps a position to its KV row. When `grow` fails the
 scheduler preempts (swaps out) a request. With `reserve_kv` the scheduler instead allocates
 prompt + max_tokens at admission and `grow` never needs a block.
+
+Prefix caching (chunks.py decides when to look up and register): a block is reference counted
+(`ref`: how many block tables hold it). A full prompt block whose rows are completely written can
+be registered under the hash of its token prefix (`block_hashes`); a later request whose prompt
+starts with the same tokens takes it read-only (`allocate(..., hits)`). A registered block that
+nobody holds any more stays cached (`cached`, LRU order) and counts as free: allocation takes
+never-registered free blocks first, then evicts the least recently used cached block (its hash
+is forgotten). A block is always exactly one of: held (ref > 0), plain free, or cached.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+
+def block_hashes(ids: list[int], block_size: int, known: list[bytes]) -> list[bytes]:
+    """Extend `known` (a prefix of the chain) to one digest per full block of `ids`: block i's
+    digest covers tokens 0..(i+1)*block_size-1 (the parent's digest + its own token ids), so equal
+    digests mean equal prefixes (sha256: collisions are not a practical correctness risk)."""
+    for i in range(len(known), len(ids) // block_size):
+        parent = known[-1] if known else b""
+        known.append(hashlib.sha256(parent + array("q", ids[i * block_size:(i + 1) * block_size]).tobytes()).digest())
+    return known
 
 
 class BlockManager:
@@ -16,44 +36,103 @@ class BlockManager:
         if num_blocks < 1 or block_size < 1 or num_slots < 1:
             raise ValueError("num_blocks, block_size and num_slots must be >= 1")
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # free, never registered (or evicted)
         self.free_slots: deque[int] = deque(range(num_slots))
+        self.ref = [0] * num_blocks
+        self.by_hash: dict[bytes, int] = {}  # registered blocks (held or cached)
+        self.hash_of: dict[int, bytes] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; oldest first
+        self.evictions = 0  # cached blocks reused for something else
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_allocate(self, tokens: int, keep_free: int = 0) -> bool:
-        """A slot and the blocks for `tokens` rows are free, leaving `keep_free` blocks free."""
-        return bool(self.free_slots) and self.blocks_for(tokens) + keep_free <= len(self.free_blocks)
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take: plain free ones and evictable cached ones."""
+        return len(self.free_blocks) + len(self.cached)
 
-    def allocate(self, tokens: int) -> tuple[list[int], int]:
-        """Blocks for `tokens` rows and a state slot."""
-        n = self.blocks_for(tokens)
-        if not self.can_allocate(tokens):
-            raise RuntimeError(f"cannot allocate {n} blocks (free {len(self.free_blocks)}) and a slot")
-        return [self.free_blocks.popleft() for _ in range(n)], self.free_slots.popleft()
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest leading run of `hashes` (a prompt's block chain)."""
+        out = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def can_allocate(self, tokens: int, keep_free: int = 0, hits: list[int] = ()) -> bool:
+        """A slot and the blocks for `tokens` rows are free, leaving `keep_free` blocks free; the
+        first len(hits) blocks are the cached blocks `hits` (taking a cached one uses up a free one)."""
+        new = self.blocks_for(tokens) - len(hits)
+        idle = sum(1 for b in hits if b in self.cached)
+        return bool(self.free_slots) and new + keep_free <= self.num_free - idle
+
+    def allocate(self, tokens: int, hits: list[int] = ()) -> tuple[list[int], int]:
+        """Blocks for `tokens` rows (the shared `hits` first, then new ones) and a state slot."""
+        if not self.can_allocate(tokens, 0, hits):
+            raise RuntimeError(f"cannot allocate {self.blocks_for(tokens)} blocks (free {self.num_free}) and a slot")
+        for b in hits:
+            self.cached.pop(b, None)
+            self.ref[b] += 1
+        blocks = list(hits)
+        blocks.extend(self._take() for _ in range(self.blocks_for(tokens) - len(hits)))
+        return blocks, self.free_slots.popleft()
 
     def grow(self, blocks: list[int], tokens: int) -> bool:
         """Extend the block table `blocks` in place to hold `tokens` rows; False (and no change)
         when not enough blocks are free."""
         n = self.blocks_for(tokens) - len(blocks)
-        if n > len(self.free_blocks):
+        if n > self.num_free:
             return False
-        blocks.extend(self.free_blocks.popleft() for _ in range(max(0, n)))
+        blocks.extend(self._take() for _ in range(max(0, n)))
         return True
 
+    def _take(self) -> int:
+        if self.free_blocks:
+            b = self.free_blocks.popleft()
+        else:  # evict the least recently used cached block: its prefix is forgotten
+            b, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(b)]
+            self.evictions += 1
+        self.ref[b] = 1
+        return b
+
     def free(self, blocks: list[int], slot: int) -> None:
-        self.free_blocks.extend(blocks)
+        """Release a block table (and a slot): a block nobody holds any more becomes free, or
+        cached if registered. Last block first, so that a prompt's tail is evicted before its head
+        (a later block can only be hit together with every block before it)."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.hash_of:
+                    self.cached[b] = None
+                else:
+                    self.free_blocks.append(b)
         if slot >= 0:
             self.free_slots.append(slot)
 
+    def register(self, block: int, h: bytes) -> None:
+        """Offer a held, completely written prompt block to later requests under its prefix hash
+        `h`; a hash already registered keeps its block (this one stays private)."""
+        if h not in self.by_hash and block not in self.hash_of:
+            self.by_hash[h], self.hash_of[block] = block, h
+
+    def reset_cache(self) -> None:
+        """Forget every registered prefix: cached blocks become plain free blocks, held ones private."""
+        self.free_blocks.extend(self.cached)
+        self.cached.clear()
+        self.by_hash.clear()
+        self.hash_of.clear()
+
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     @property
     def all_free(self) -> bool:
-        return len(self.free_blocks) == self.num_blocks and len(self.free_slots) == self.num_slots
+        return self.num_free == self.num_blocks and len(self.free_slots) == self.num_slots
 
     def row(self, blocks: list[int], pos: int) -> int:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -23,13 +23,24 @@ memory and prefilling sequences can never deadlock each other; the block of its 
 token is grown like any decode token's when the prompt completes. A prefilling sequence is never a
 preemption victim (its chunk state is not in the per-slot buffers); new prompts wait while a
 preempted sequence is swapped out.
+
+Prefix caching (`caching`; block_manager.py keeps the blocks): at its first admission a prompt
+takes the cached blocks of its longest run of leading full blocks, at most (len - 1) // block_size
+of them so that at least one position is computed (its logits give the first token), and starts
+its first chunk at the first position after them; the budget counts only that suffix. A request
+that asks for prompt log-probs takes none (it needs every position's logits). Once the coda (CB:
+the fused launch) of a chunk has run, the prompt's full blocks up to the chunk's end hold their
+final K/V in every layer and depth slot, and are registered. Exact for the depth-indexed layouts:
+that K/V depends only on the tokens up to each position, decode tokens never write prompt rows
+(the last_exited fill writes only the exited decode token's own row), and the suffix reads the
+cached rows at its own loop step, as a later chunk of the same prompt would.
 """
 from __future__ import annotations
 
 from collections import deque
 from typing import Callable
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_hashes
 from .sequence import Sequence, Stage
 
 STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
@@ -37,9 +48,13 @@ STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
 
 class ChunkQueues:
     def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_position: int,
-                 reserve_kv: bool = False):
+                 reserve_kv: bool = False, caching: bool = False, counters: dict | None = None):
         self.budget, self.chunked, self.r_full = budget, chunked, r_full
         self.blocks, self.max_position, self.reserve_kv = blocks, max_position, reserve_kv
+        self.caching = caching
+        # prompt tokens looked up in the prefix cache and found there (the engine's metrics)
+        self.counters = counters if counters is not None else {}
+        self.counters.update(prefix_cache_queries=0, prefix_cache_hits=0)
         self.at: dict[Stage, list[Sequence]] = {s: [] for s in STAGES}  # chunks waiting for that stage
         self.partial: deque[Sequence] = deque()  # admitted, a chunk done, the next one not yet admitted
 
@@ -65,7 +80,8 @@ class ChunkQueues:
         while self.partial or (waiting and new):
             started = bool(self.partial)
             s = self.partial[0] if started else waiting[0]
-            left = len(s.prompt_ids) - s.prefilled
+            hits = [] if started else self._lookup(s)
+            left = len(s.prompt_ids) - s.prefilled - len(hits) * self.blocks.block_size
             alone = not out and not inflight
             if self.chunked:
                 n = min(left, max(room, self.blocks.block_size) if alone else room)
@@ -77,9 +93,13 @@ class ChunkQueues:
                 if running + len(out) >= max_batch:
                     break
                 need = s.reserved_tokens(self.max_position) if self.reserve_kv else len(s.prompt_ids)
-                if not self.blocks.can_allocate(need, keep_free(len(out))):
+                if not self.blocks.can_allocate(need, keep_free(len(out)), hits):
                     break  # FIFO: the head waits for memory, nobody overtakes it
-                s.blocks, s.slot = self.blocks.allocate(need)
+                s.blocks, s.slot = self.blocks.allocate(need, hits)
+                s.prefilled = len(hits) * self.blocks.block_size
+                if self.caching and s.params.prompt_logprobs is None:
+                    self.counters["prefix_cache_queries"] += len(s.prompt_ids)
+                    self.counters["prefix_cache_hits"] += s.prefilled
                 waiting.popleft()
             else:
                 self.partial.popleft()
@@ -109,6 +129,8 @@ class ChunkQueues:
         self.at[src][:] = [s for s in self.at[src] if id(s) not in ids]
         done = []
         for s in chunks:
+            if self.caching:
+                self._register(s)
             s.prefilled, s.chunk, s.chunk_state, s.step = s.chunk[1], None, None, 0
             if s.prefilled == len(s.prompt_ids):
                 done.append(s)
@@ -116,6 +138,20 @@ class ChunkQueues:
                 s.stage = Stage.PREFILL
                 self.partial.append(s)
         return done
+
+    def _lookup(self, s: Sequence) -> list[int]:
+        """The cached blocks a new prompt starts with (see the module docstring)."""
+        if not self.caching or s.params.prompt_logprobs is not None:
+            return []
+        cap = (len(s.prompt_ids) - 1) // self.blocks.block_size
+        return self.blocks.match(block_hashes(s.prompt_ids, self.blocks.block_size, s.block_hashes)[:cap])
+
+    def _register(self, s: Sequence) -> None:
+        """Register the full prompt blocks that the finished chunk `s.chunk` completed."""
+        B = self.blocks.block_size
+        hashes = block_hashes(s.prompt_ids, B, s.block_hashes)
+        for i in range(s.chunk[0] // B, s.chunk[1] // B):
+            self.blocks.register(s.blocks[i], hashes[i])
 
     def _move(self, ids: set[int], src: Stage, dst: Stage, chunks: list[Sequence]) -> None:
         moved = [s for s in chunks if id(s) in ids]

@@ -42,6 +42,10 @@ class EngineConfig:
     chunked_prefill: bool | None = _f(None, "mixed prefill: split prompts longer than the budget into chunks; "
                                             "default: on for the depth-indexed layouts; not exact (refused) with "
                                             "shared, which keeps prompts whole")
+    enable_prefix_caching: bool | None = _f(None, "share the KV blocks of a prompt's leading full blocks with later "
+                                                  "requests that start with the same tokens (LRU among free blocks); "
+                                                  "default: on where exact (depth-indexed layouts, mixed prefill); "
+                                                  "refused with shared")
     kv_cache_tokens: int | None = _f(None, "KV pool size in tokens; default: sized from the device (see "
                                            "gpu_memory_utilization, kv_cache_memory)")
     kv_cache_bytes: int | None = _f(None, "KV pool size in bytes (instead of kv_cache_tokens)")
@@ -78,6 +82,7 @@ class EngineConfig:
         if self.prefill not in PREFILL_MODES:
             raise ParamError("prefill", f"unknown prefill {self.prefill!r}; supported: {PREFILL_MODES}")
         check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
+        check_prefix_caching(self.kv_layout, self.enable_prefix_caching, self.prefill)
         for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -120,6 +125,7 @@ class EngineConfig:
             raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
                                               f"of {cfg.max_position} tokens")
         check_chunking(layout, self.chunked_prefill, self.prefill)
+        check_prefix_caching(layout, self.enable_prefix_caching, self.prefill)
         return dataclasses.replace(self, kv_layout=layout, exit_criterion=pol.criterion,
                                    exit_threshold=pol.threshold, r_min=pol.r_min, lookahead=pol.lookahead,
                                    max_model_len=self.max_model_len or cfg.max_position)
@@ -130,6 +136,15 @@ class EngineConfig:
         chunks at its own loop step (depth-indexed layouts); `shared` keeps prompts whole."""
         layout = self.kv_layout or DEFAULT_LAYOUT
         return self.chunked_prefill if self.chunked_prefill is not None else layout_class(layout).depth_slots_exact
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        """Whether prompts share cached prefix blocks: by default where exact, i.e. where every depth
+        slot of a cached position is what a fresh depth-major prefill writes (depth-indexed layouts)
+        and the suffix can start at an offset (mixed prefill: it is a prompt chunk)."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        return self.prefill == "mixed" and layout_class(self.kv_layout or DEFAULT_LAYOUT).depth_slots_exact
 
     @property
     def exits_disabled(self) -> bool:
@@ -144,7 +159,8 @@ class EngineConfig:
 
     def describe(self) -> dict:
         """The settings as a JSON-able dict (the server's /v1/models, bench JSON)."""
-        return {**dataclasses.asdict(self), "exits_disabled": self.exits_disabled}
+        return {**dataclasses.asdict(self), "exits_disabled": self.exits_disabled,
+                "prefix_caching_enabled": self.prefix_caching_enabled}
 
 
 def check_chunking(kv_layout: str | None, chunked_prefill: bool | None, prefill: str) -> None:
@@ -155,6 +171,17 @@ def check_chunking(kv_layout: str | None, chunked_prefill: bool | None, prefill:
     if chunked_prefill and prefill != "mixed":
         raise ParamError("chunked_prefill", "chunked_prefill needs prefill='mixed' (separate prefill runs whole "
                                             "prompts)")
+
+
+def check_prefix_caching(kv_layout: str | None, enable: bool | None, prefill: str) -> None:
+    if enable and kv_layout is not None and not layout_class(kv_layout).depth_slots_exact:
+        raise ParamError("enable_prefix_caching", f"enable_prefix_caching=True is not exact with kv_layout="
+                                                  f"{kv_layout!r}: its cached blocks hold only each position's final "
+                                                  "loop step, while a fresh prefill of the suffix reads the prefix at "
+                                                  "the current step")
+    if enable and prefill != "mixed":
+        raise ParamError("enable_prefix_caching", "enable_prefix_caching needs prefill='mixed' (the separate prefill "
+                                                  "stage runs whole prompts from position 0)")
 
 
 def is_full_depth(policy: str = "cdb", kv_layout: str = DEFAULT_LAYOUT, full_depth: bool = False) -> bool:

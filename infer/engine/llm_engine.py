@@ -178,7 +178,7 @@ class LLMEngine:
         work = self.scheduler.schedule()
         ops = self.scheduler.take_swaps()
         if ops:  # before the stage: it may write into the blocks a swap-out frees
-            swap = getattr(self.runner, "swap", None)  # a cost-model runner holds no data to move
+            swap = getattr(self.runner, "swap", None)  # the simulator's runner charges the copies' time
             if swap is not None:
                 swap(ops)
         if work is None:
@@ -324,6 +324,11 @@ class LLMEngine:
         s = self.seqs.get(request_id)
         return s is not None and s.started
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes (vLLM's name): a benchmark pass that repeats the same
+        requests on one engine then starts cold instead of hitting the previous pass's blocks."""
+        self.blocks.reset_cache()
+
     @property
     def mean_exit_depth(self) -> float:
         return self.stats["depth_sum"] / max(1, self.stats["tokens"])
@@ -332,15 +337,19 @@ class LLMEngine:
         """Queue lengths, KV memory and token counters (what a server's /metrics shows)."""
         b = self.blocks
         return {"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
-                "kv_usage": b.usage, "kv_free_blocks": len(b.free_blocks), "kv_total_blocks": b.num_blocks,
+                "kv_usage": b.usage, "kv_free_blocks": b.num_free, "kv_total_blocks": b.num_blocks,
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
                 "stage_calls": dict(self.stats["stage_calls"]), **self.memory_metrics()}
 
     def memory_metrics(self) -> dict:
-        """KV pool and preemption counters (swap bytes: KV blocks + one state slot per copy)."""
+        """KV pool, preemption and prefix-cache counters (swap bytes: KV blocks + one state slot per
+        copy; prefix cache: prompt tokens looked up and found, vLLM's names, and cached free blocks)."""
         sch, c = self.scheduler, self.scheduler.counters
         moved = c["swapped_out_blocks"] + c["swapped_in_blocks"]
+        q, h = c.get("prefix_cache_queries", 0), c.get("prefix_cache_hits", 0)
         return {"kv_pool_tokens": self.blocks.num_blocks * self.blocks.block_size,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "max_model_len": self.max_model_len,
                 "swapped": len(sch.swapped), "stalled": len(sch.stalled), **c,
-                "swap_bytes": moved * self.block_bytes + 2 * c["preemptions"] * self.slot_bytes}
+                "swap_bytes": moved * self.block_bytes + 2 * c["preemptions"] * self.slot_bytes,
+                "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": h / q if q else 0.0,
+                "prefix_cache_blocks": len(self.blocks.cached), "prefix_cache_evictions": self.blocks.evictions}

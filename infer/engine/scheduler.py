@@ -20,7 +20,8 @@ coda gives the prompt's first token). The refill priorities for decode items are
 With `prefill="separate"` whole prompts run in their own prefill launches of at most
 `max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
 
-Memory (block_manager.py): admission (FIFO) gives a request its prompt's blocks, leaving a
+Memory (block_manager.py): admission (FIFO) gives a request its prompt's blocks (with prefix
+caching, the cached blocks of its prompt's head shared read-only: chunks.py), leaving a
 watermark free; a sequence that moves to the prelude queue gets the block of its next token's row
 first. When none is free, the most recently admitted running sequence is preempted: its blocks
 and slot are freed and a `SwapOp` tells the engine to copy its KV rows and per-slot state to host
@@ -93,7 +94,8 @@ class Scheduler:
                          "swap_overcommits": 0}
         # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
         self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill_enabled, r_full, blocks, max_position,
-                                   cfg.reserve_kv) if cfg.prefill == "mixed" else None)
+                                   cfg.reserve_kv, cfg.prefix_caching_enabled, self.counters)
+                       if cfg.prefill == "mixed" else None)
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []

@@ -55,6 +55,7 @@ class Sequence:
     slot: int = -1  # row of the runner's per-sequence state buffers
     step: int = 0  # loop steps done by the current decode token (or by the prompt chunk in flight)
     prefilled: int = 0  # mixed prefill: prompt positions whose KV is complete (chunks.py)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: digests of full prompt blocks
     chunk: tuple[int, int] | None = None  # mixed prefill: the prompt positions [start, end) in flight
     chunk_state: object = None  # mixed prefill: the runner's loop state of the chunk's positions
     step_scored: int = 0  # pipelined core: steps whose exit score the tracker has seen

@@ -15,7 +15,8 @@ def _rss_bytes() -> int:
 
 
 _RENDERED_ENGINE_KEYS = {"running", "queues", "kv_usage", "kv_free_blocks", "kv_total_blocks", "kv_all_free",
-                         "mean_exit_depth", "stage_calls", "waiting"}
+                         "mean_exit_depth", "stage_calls", "waiting", "prefix_cache_queries", "prefix_cache_hits",
+                         "prefix_cache_hit_rate"}
 
 
 def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
@@ -38,6 +39,12 @@ def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
          [("", s["tokens_per_s"])]),
         ("cdb_mean_exit_depth", "gauge", "Mean exit depth (loop steps) of decoded tokens since start.",
          [("", s["mean_exit_depth"])]),
+        ("cdb_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+         [("", s["prefix_cache_queries"])]),
+        ("cdb_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled again).",
+         [("", s["prefix_cache_hits"])]),
+        ("cdb_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries since start (0 when none).",
+         [("", s["prefix_cache_hit_rate"])]),
         ("cdb_prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", c["prompt_tokens"])]),
         ("cdb_generation_tokens_total", "counter", "Output tokens generated.", [("", c["generation_tokens"])]),
         ("cdb_request_success_total", "counter", "Finished requests by finish reason.",

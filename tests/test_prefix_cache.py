@@ -1,0 +1,397 @@
+"""Prefix caching (block_manager.py, chunks.py): requests whose prompts share leading full blocks
+reuse their K/V and prefill only the suffix. Exact for the depth-indexed layouts: tokens, exit
+depths and log-probs (float64, |diff| < 1e-9) equal the engine without caching (and the reference
+decoder) for every policy x layout x lookahead with staggered arrivals, with preemption and with
+eviction; the scheduler's bookkeeping (reference counts, the cache map, FIFO, no leak, no
+deadlock) holds under thousands of random steps; the shared layout and separate prefill refuse."""
+import functools
+import itertools
+import random
+import zlib
+
+import pytest
+import torch
+
+from infer import EngineConfig, LLMEngine, SamplingParams
+from infer.engine.block_manager import BlockManager
+from infer.engine.reference import reference_generate
+from infer.engine.scheduler import Scheduler
+from infer.engine.sequence import Sequence, Stage
+from infer.serving.async_engine import AsyncEngine
+from infer.serving.metrics import render_metrics
+from looplm import ExitPolicy, ParamError, tiny_model
+
+MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
+         "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
+         "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
+THRESHOLD = 0.55
+BASE = dict(block_size=4, max_prefill_tokens=12, max_batch_size=8, exit_threshold=THRESHOLD)
+
+
+@functools.lru_cache(maxsize=None)
+def model(arch):
+    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3)
+
+
+def shared_prefix_workload(seed, n=10, max_new=(3, 7)):
+    """Prompts that share long prefixes (2-4 blocks of 4): a few system prompts, each request one
+    of them + 0..5 tokens; some prompts repeat exactly, one is a prefix of another."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1, 256) for _ in range(rng.randint(9, 16))] for _ in range(3)]
+    reqs = []
+    for i in range(n):
+        if i >= 2 and rng.random() < 0.25:
+            p = list(reqs[rng.randrange(len(reqs))][0])  # the same prompt again
+        else:
+            p = rng.choice(heads) + [rng.randrange(1, 256) for _ in range(rng.randint(0, 5))]
+        reqs.append((p, rng.randint(*max_new)))
+    reqs.append((reqs[0][0] + [7, 8, 9, 10, 11], 4))  # an earlier prompt is a prefix of this one
+    return reqs
+
+
+def run(eng, reqs, seed, **params):
+    """Staggered arrivals (seeded); returns (tokens, depths, logprobs) per request, input order."""
+    rng = random.Random(seed)
+    pending, seqs, steps = list(enumerate(reqs)), {}, 0
+    while pending or eng.has_unfinished():
+        if pending and (not eng.has_unfinished() or rng.random() < 0.25):
+            for _ in range(rng.randint(1, 2)):
+                if pending:
+                    i, (p, n) = pending.pop(0)
+                    seqs[i] = eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True,
+                                                                **params))
+        eng.step()
+        steps += 1
+        assert steps < 20000, "no progress"
+    return [(seqs[i].output_ids, seqs[i].exit_depths, seqs[i].logprobs) for i in range(len(reqs))]
+
+
+def assert_same(want, got):
+    for i, ((t1, d1, l1), (t2, d2, l2)) in enumerate(zip(want, got)):
+        assert t1 == t2 and d1 == d2, f"request {i}"
+        assert max(abs(a - b) for a, b in zip(l1, l2)) < 1e-9, f"request {i}"
+
+
+CASES = [(m, lay, la) for m, lay, la in itertools.product(MODES, ["last_exited", "full_depth"], [False, True])
+         if not (m == "cb" and (la or lay == "full_depth")) and not (lay == "full_depth" and la)]
+
+
+@pytest.mark.parametrize("mode,layout,lookahead", CASES)
+def test_prefix_caching_on_equals_off(mode, layout, lookahead):
+    seed = zlib.crc32(f"prefix/{mode}/{layout}/{lookahead}".encode()) % 1000
+    arch = "huginn-tiny" if seed % 2 else "ouro-tiny"
+    print("seed", seed, arch)
+    reqs = shared_prefix_workload(seed)
+    base = dict(BASE, kv_layout=layout, lookahead=lookahead, pipeline=lookahead and mode != "cb",
+                kv_cache_tokens=1024, **MODES[mode])
+    off = LLMEngine(model(arch), EngineConfig(enable_prefix_caching=False, **base))
+    on = LLMEngine(model(arch), EngineConfig(**base))  # on by default here
+    want, got = run(off, reqs, seed), run(on, reqs, seed)
+    m = on.metrics()
+    assert off.metrics()["prefix_cache_hits"] == 0 and m["prefix_cache_hits"] >= 8, m  # not vacuous
+    assert_same(want, got)
+    assert on.blocks.all_free and off.blocks.all_free
+    if mode in ("cb", "refill_k1"):  # and both equal the sequential reference decoder
+        full = mode == "cb" or layout == "full_depth"
+        pol = ExitPolicy.from_config(model(arch).cfg, threshold=THRESHOLD, lookahead=lookahead, full_depth=full)
+        for (p, n), (t, d, lp) in zip(reqs, got):
+            r = reference_generate(model(arch), p, n, pol, kv_layout=layout)
+            assert t == r.token_ids and d == r.exit_depths
+            assert lp == pytest.approx(r.logprobs, abs=1e-9, rel=0)
+    if layout != "full_depth" and mode != "cb":
+        assert len({x for _, ds, _ in want for x in ds[1:]}) >= 2  # exits really vary
+
+
+def test_hit_is_capped_and_only_the_suffix_is_prefilled():
+    """An identical 12-token prompt hits 2 of its 3 blocks (one position must be computed for the
+    first token); a 13-token prompt with the same head hits all 3; each prefills only the rest."""
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(**BASE, kv_cache_tokens=256, trace=True))
+    p = list(range(20, 32))
+    for prompt, hits in ((p, 0), (p, 8), (p + [5], 12)):
+        before, rows = eng.metrics()["prefix_cache_hits"], len(eng.trace)
+        s = eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.metrics()["prefix_cache_hits"] - before == hits
+        assert sum(r["prompt_tokens"] for r in eng.trace[rows:] if r["stage"] == "prelude") == len(prompt) - hits
+        assert len(s.output_ids) == 2
+    m = eng.metrics()
+    assert m["prefix_cache_queries"] == 12 + 12 + 13
+    assert m["prefix_cache_hit_rate"] == pytest.approx(20 / 37)
+    assert m["prefix_cache_blocks"] == 3 and eng.blocks.all_free  # cached blocks count as free
+    eng.reset_prefix_cache()  # forgotten: the same prompt again finds nothing
+    eng.add_request(p + [5], SamplingParams(max_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.metrics()["prefix_cache_hits"] == m["prefix_cache_hits"] and eng.blocks.all_free
+
+
+@pytest.mark.parametrize("mode,lookahead", [("cb", False), ("norefill", False), ("refill_k1", False),
+                                            ("refill_k4", True)])
+def test_prefix_caching_with_preemption_is_exact(mode, lookahead):
+    """A pool of 11 blocks x 4 tokens: requests are swapped out and back (shared blocks stay with
+    their other holders) while others hit the cache; outputs equal an ample pool without caching."""
+    seed = zlib.crc32(f"prefix-swap/{mode}".encode()) % 1000
+    arch = "ouro-tiny" if mode == "norefill" else "huginn-tiny"
+    print("seed", seed, arch)
+    reqs = shared_prefix_workload(seed, n=8, max_new=(6, 12))
+    base = dict(BASE, lookahead=lookahead, pipeline=lookahead, watermark=0.0, **MODES[mode])
+    want = run(LLMEngine(model(arch), EngineConfig(kv_cache_tokens=1024, enable_prefix_caching=False, **base)),
+               reqs, seed)
+    eng = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=44, **base))
+    got = run(eng, reqs, seed)
+    m = eng.metrics()
+    assert m["preemptions"] >= 1 and m["prefix_cache_hits"] > 0, m
+    assert m["swapped_in_blocks"] == m["swapped_out_blocks"]
+    assert_same(want, got)
+    assert eng.blocks.all_free and not eng.runner.__dict__.get("_host_swap")
+
+
+def test_paged_decode_attention_reads_shared_blocks():
+    """Paged decode attention (block tables + an inverse page table, eager FlexAttention on CPU):
+    a shared block sits at the same logical index in every table that holds it (its hash encodes
+    its position), so the page table stays valid; outputs equal the gather path without caching."""
+    seed = 17
+    print("seed", seed)
+    reqs = shared_prefix_workload(seed, n=6)
+    base = dict(BASE, policy="cdb", min_coda_batch=2, kv_cache_tokens=256)
+    want = run(LLMEngine(model("ouro-tiny"), EngineConfig(enable_prefix_caching=False, **base)), reqs, seed)
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(**base))
+    eng.runner.enable_paged(compile=False)
+    got = run(eng, reqs, seed)
+    assert eng.metrics()["prefix_cache_hits"] > 0
+    assert_same(want, got)
+
+
+def test_eviction_is_exact():
+    """Five system prompts of 3 blocks cycle through a 14-block pool: cached blocks are evicted
+    (least recently used first) and later prompts recompute them; still exact."""
+    rng = random.Random(21)
+    print("seed 21")
+    heads = [[rng.randrange(1, 256) for _ in range(12)] for _ in range(5)]
+    reqs = [(heads[i % 5 if i < 10 else rng.randrange(5)] + [rng.randrange(1, 256)], 3) for i in range(16)]
+    base = dict(BASE, policy="cdb", refill=True, max_batch_size=2)
+    want = run(LLMEngine(model("huginn-tiny"), EngineConfig(kv_cache_tokens=1024, enable_prefix_caching=False,
+                                                            **base)), reqs, 21)
+    eng = LLMEngine(model("huginn-tiny"), EngineConfig(kv_cache_tokens=56, **base))
+    got = run(eng, reqs, 21)
+    m = eng.metrics()
+    assert m["prefix_cache_evictions"] > 0 and m["prefix_cache_hits"] > 0, m
+    assert_same(want, got)
+    assert eng.blocks.all_free
+
+
+def test_reserve_kv_with_prefix_caching_is_exact():
+    """Up-front reservation takes prompt + max_tokens minus the hit blocks."""
+    reqs = shared_prefix_workload(5, n=8)
+    base = dict(BASE, reserve_kv=True, kv_cache_tokens=200)
+    want = run(LLMEngine(model("ouro-tiny"), EngineConfig(enable_prefix_caching=False, **base)), reqs, 5)
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(**base))
+    got = run(eng, reqs, 5)
+    assert eng.metrics()["prefix_cache_hits"] > 0 and eng.metrics()["preemptions"] == 0
+    assert_same(want, got)
+    assert eng.blocks.all_free
+
+
+def test_echo_requests_get_no_hits_and_correct_prompt_logprobs():
+    """A request that asks for prompt log-probs needs every position's logits: it never reads the
+    cache (it may fill it); its prompt log-probs equal the separate whole-prompt prefill's."""
+    m = model("ouro-tiny")
+    p = list(range(40, 58))
+    outs = {}
+    for name, kw in (("separate", dict(prefill="separate")), ("mixed", {})):
+        eng = LLMEngine(m, EngineConfig(**BASE, kv_cache_tokens=512, **kw))
+        seqs = []
+        for _ in range(3):  # one after another: the second and third could hit the first's blocks
+            seqs.append(eng.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True, logprobs=True,
+                                                          prompt_logprobs=1)))
+            while eng.has_unfinished():
+                eng.step()
+        outs[name] = (seqs, eng.metrics())
+    (ref, _), (got, mm) = outs["separate"], outs["mixed"]
+    assert mm["prefix_cache_hits"] == 0 and mm["prefix_cache_blocks"] == 4  # registered, never read
+    for a, b in zip(ref, got):
+        assert a.output_ids == b.output_ids and a.exit_depths == b.exit_depths
+        assert b.prompt_logprobs[0] is None and len(b.prompt_logprobs) == len(p)
+        assert b.prompt_logprobs[1:] == pytest.approx(a.prompt_logprobs[1:], abs=1e-9, rel=0)
+    # a plain request after them does hit what they registered
+    eng = LLMEngine(m, EngineConfig(**BASE, kv_cache_tokens=512))
+    for params in (SamplingParams(max_tokens=2, prompt_logprobs=0), SamplingParams(max_tokens=2)):
+        eng.add_request(p, params)
+        while eng.has_unfinished():
+            eng.step()
+    assert eng.metrics()["prefix_cache_hits"] == 16
+
+
+def test_shared_layout_would_not_be_exact(monkeypatch):
+    """Why `shared` refuses: forced on (the check bypassed), the cached blocks hold each prefix
+    position's final loop step, while the suffix's depth-major prefill without caching reads the
+    prefix at the current step: the numbers differ."""
+    import infer.engine.config as config
+    monkeypatch.setattr(config, "check_prefix_caching", lambda *a: None)
+    reqs = shared_prefix_workload(11)
+    base = dict(BASE, kv_layout="shared", kv_cache_tokens=1024)
+    want = run(LLMEngine(model("ouro-tiny"), EngineConfig(enable_prefix_caching=False, **base)), reqs, 11)
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(enable_prefix_caching=True, **base))
+    got = run(eng, reqs, 11)
+    assert eng.metrics()["prefix_cache_hits"] > 0
+    assert max(abs(a - b) for (_, _, l1), (_, _, l2) in zip(want, got) for a, b in zip(l1, l2)) > 1e-3
+
+
+def test_settings_defaults_refusals_and_metrics():
+    assert EngineConfig().prefix_caching_enabled  # last_exited, mixed prefill
+    assert EngineConfig(kv_layout="full_depth").prefix_caching_enabled
+    assert not EngineConfig(kv_layout="shared").prefix_caching_enabled
+    assert not EngineConfig(prefill="separate").prefix_caching_enabled
+    assert not EngineConfig(enable_prefix_caching=False).prefix_caching_enabled
+    with pytest.raises(ParamError, match="not exact with kv_layout='shared'.*final loop step") as e:
+        EngineConfig(kv_layout="shared", enable_prefix_caching=True)
+    assert e.value.param == "enable_prefix_caching"
+    with pytest.raises(ParamError, match="needs prefill='mixed'"):
+        EngineConfig(prefill="separate", enable_prefix_caching=True)
+    m = model("ouro-tiny")
+    m_shared = tiny_model("ouro-tiny", dtype=torch.float64, kv_layout="shared")  # a checkpoint naming shared
+    with pytest.raises(ParamError, match="enable_prefix_caching"):
+        LLMEngine(m_shared, EngineConfig(enable_prefix_caching=True))
+    assert not LLMEngine(m_shared, EngineConfig()).config.prefix_caching_enabled
+    eng = LLMEngine(m, EngineConfig(**BASE, kv_cache_tokens=256))
+    assert eng.config.describe()["prefix_caching_enabled"] is True
+    for _ in range(2):
+        eng.add_request(list(range(30, 39)), SamplingParams(max_tokens=2))
+        while eng.has_unfinished():
+            eng.step()
+    aeng = AsyncEngine(eng)
+    text = render_metrics(aeng, "tiny", {})
+    assert "# TYPE cdb_prefix_cache_hits_total counter" in text
+    assert 'cdb_prefix_cache_hits_total{model_name="tiny"} 8\n' in text
+    assert 'cdb_prefix_cache_queries_total{model_name="tiny"} 18\n' in text
+    assert 'cdb_prefix_cache_hit_rate{model_name="tiny"} 0.444444444\n' in text
+
+
+# ------------------------------------------------------------------ scheduler alone (pure Python)
+class FakeScores:
+    def __init__(self, xs):
+        self.xs = xs
+
+    def get(self):
+        return self.xs
+
+
+class ContentRunner:
+    """A cost-free runner that tracks what every KV row holds: the token prefix of the position
+    that wrote it. Each launch writes its items' rows, then checks that every row an item reads
+    (positions 0..its last) holds exactly its own prefix: a shared block that was overwritten,
+    evicted while held, or registered before it was written would fail here. Swaps copy rows."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm, self.rows, self.host = bm, {}, {}
+
+    def _rows(self, s, end):
+        return [self.bm.row(s.blocks, p) for p in range(end)]
+
+    def run(self, work):
+        items = [(s, s.position, s.prompt_ids + s.output_ids) for s in work.seqs]
+        items += [(s, s.chunk[1] - 1, s.prompt_ids) for s in work.chunks]
+        for s, last, toks in items:  # writes: a decode item its own row, a chunk its positions
+            first = last if s in work.seqs else s.chunk[0]
+            for p in range(first, last + 1):
+                self.rows[self.bm.row(s.blocks, p)] = tuple(toks[:p + 1])
+        for s, last, toks in items:
+            got = [self.rows.get(r) for r in self._rows(s, last + 1)]
+            assert got == [tuple(toks[:p + 1]) for p in range(last + 1)], f"seq {s.seq_id} reads wrong rows"
+
+    def swap(self, ops):
+        for op in ops:
+            rows = [b * self.bm.block_size + i for b in op.blocks for i in range(self.bm.block_size)]
+            if op.kind == "out":
+                self.host[op.seq.seq_id] = [self.rows.get(r) for r in rows]
+            elif op.kind == "in":
+                for r, v in zip(rows, self.host.pop(op.seq.seq_id)):
+                    self.rows[r] = v
+            else:
+                self.host.pop(op.seq.seq_id, None)
+
+
+def check_blocks(sch, bm):
+    """Every block's reference count is the number of block tables holding it; held, free and
+    cached blocks partition the pool; the cache map is consistent; no slot is held twice."""
+    ch = sch.chunks
+    holders = sch._holders() + list(ch.partial) + [s for q in ch.at.values() for s in q]
+    assert len(holders) == len(set(map(id, holders)))
+    count = [0] * bm.num_blocks
+    for s in holders:
+        assert len(set(s.blocks)) == len(s.blocks)
+        for b in s.blocks:
+            count[b] += 1
+    assert count == bm.ref
+    held = {b for b in range(bm.num_blocks) if count[b]}
+    free, cached = set(bm.free_blocks), set(bm.cached)
+    assert len(free) == len(bm.free_blocks) and not (held & free or held & cached or free & cached)
+    assert len(held) + len(free) + len(cached) == bm.num_blocks
+    assert all(bm.hash_of.get(b) == h for h, b in bm.by_hash.items()) and len(bm.by_hash) == len(bm.hash_of)
+    assert cached <= set(bm.hash_of) and not free & set(bm.hash_of)
+    assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
+    for s in sch._holders():
+        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
+
+
+# (policy, refill, pipelined lookahead, max batch, reserve_kv) per seed
+SCHED = [("cb", False, False, 8, False), ("cdb", False, True, 8, False), ("cdb", True, True, 8, False),
+         ("cdb", True, False, 6, False), ("cb", False, False, 3, False), ("cdb", True, False, 8, True)]
+
+
+@pytest.mark.parametrize("seed", range(len(SCHED)))
+def test_scheduler_invariants_with_sharing(seed):
+    """Thousands of scheduler steps (mixed prefill, prefix caching, a small pool, preemption,
+    aborts, arrivals; prompts drawn from a few shared prefixes), checked after every step."""
+    rng = random.Random(seed)
+    policy, refill, pipelined, batch, reserve = SCHED[seed]
+    print("seed", seed, SCHED[seed])
+    tiny = tiny_model("ouro-tiny").cfg
+    cfg = EngineConfig(policy=policy, refill=refill, min_coda_batch=rng.choice([1, 3]), max_batch_size=batch,
+                       block_size=4, watermark=0.05, max_prefill_tokens=rng.choice([6, 16]),
+                       reserve_kv=reserve).resolve(tiny)
+    bm = BlockManager(20, 4, cfg.max_batch_size)
+    sch = Scheduler(cfg, bm, 64, pipeline=pipelined, swap_blocks=rng.choice([6, 64]), r_full=tiny.r_max)
+    runner = ContentRunner(bm)
+    pol = ExitPolicy.from_config(tiny, threshold=0.5, lookahead=pipelined)
+    heads = [[rng.randrange(3, 256) for _ in range(rng.randint(4, 14))] for _ in range(3)]
+    seqs, admitted, ids, steps, hashes_seen = [], [], itertools.count(), 0, set()
+    while len(seqs) < 300 or sch.has_work():
+        if len(seqs) < 300 and rng.random() < 0.2:
+            prompt = rng.choice(heads)[:rng.randint(1, 14)] + [rng.randrange(3, 256) for _ in range(rng.randint(0, 6))]
+            s = Sequence(next(ids), str(len(seqs)), prompt, SamplingParams(max_tokens=rng.randint(1, 25)), pol)
+            seqs.append(s)
+            sch.add(s)
+        if seqs and rng.random() < 0.01:
+            v = rng.choice(seqs)
+            if not v.finished:
+                sch.finish(v, "abort")
+        work = sch.schedule()
+        runner.swap(sch.take_swaps())
+        admitted += [s.seq_id for s in seqs if s.slot >= 0 and s.seq_id not in admitted]
+        check_blocks(sch, bm)
+        hashes_seen |= set(bm.by_hash)
+        steps += 1
+        assert steps < 100000, "deadlock"
+        if work is None:
+            continue
+        runner.run(work)
+        if work.stage is Stage.CORE:
+            sch.postprocess(work, scores=FakeScores([rng.choice([-30.0, 30.0]) for _ in work.seqs]))
+        elif work.stage.emits:
+            fin = {}
+            for s in work.seqs + work.finals:
+                s.output_ids.append(rng.randrange(3, 256))
+                if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= 64:
+                    fin[s.seq_id] = "length"
+            sch.postprocess(work, finished=fin)
+        else:
+            sch.postprocess(work)
+        check_blocks(sch, bm)
+    assert all(s.finished for s in seqs) and bm.all_free and not runner.host and not sch.swapped
+    assert admitted == sorted(admitted)  # FIFO admission
+    c = sch.counters
+    print(steps, "steps", c, "evictions", bm.evictions)
+    assert steps > 1000 and c["prefix_cache_hits"] > 0 and bm.evictions > 0 and len(hashes_seen) > len(bm.by_hash)
+    assert c["preemptions"] > 0 or cfg.reserve_kv
