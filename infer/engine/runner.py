@@ -199,7 +199,7 @@ class ModelRunner:
         inp = buf[:h] if k else buf
         if self.attention_stats is not None:
             self._count_attention(seqs, N, nb)
-        self._prev = (seqs, inp[:N] if tokens else inp, nb)
+        self._prev = (seqs, inp[:N] if tokens else inp, nb) if context else (None, None, 0)
         return inp, nb
 
     def _count_attention(self, seqs: list[Sequence], N: int, nb: int) -> None:
