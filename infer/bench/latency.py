@@ -116,7 +116,7 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
     points = [(c, b, s) for c, b, s in itertools.product(contexts, batch_sizes, stages)
               if max_tokens is None or b * c <= max_tokens]
     maxb = max(batch_sizes)
-    nblocks = max(b * (-(-c // block_size)) for c, b, _ in points) + 1
+    nblocks = max(b * (-(-(c + repeats + 1) // block_size)) for c, b, _ in points) + 1
     bm = BlockManager(nblocks, block_size, maxb)
     policy = ExitPolicy.from_config(cfg)
     kw = {"cuda_graphs": True} if cuda_graphs else {}
@@ -128,12 +128,16 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
             s = Sequence(seq_id=i, request_id=str(i), prompt_ids=[FIRST] * max(1, ctx - 1),
                          params=SamplingParams(max_tokens=1), policy=policy)
             s.output_ids = [FIRST] if ctx > 1 else []
-            s.blocks, s.slot = bm.allocate(ctx)
+            # each prelude call moves the device position on (the runner's persistent state): room
+            # for the repeats in the sequence's own blocks
+            s.blocks, s.slot = bm.allocate(ctx + (repeats + 1 if stage == "prelude" else 0))
             s.step = 1 if stage == "core" else cfg.r_max  # a coda item exited at r_max: no last-exited fill
+            s.stage = Stage(stage)
             seqs.append(s)
-        work = Work(Stage(stage), seqs)
+        work = Work(Stage(stage), seqs, changed=seqs)  # new slots and block tables for the runner
         with torch.inference_mode():
             runner.run(work)  # warm-up
+            work.changed = []
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
