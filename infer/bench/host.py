@@ -167,18 +167,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=120, help="engine steps timed per batch size and policy")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="passes per batch size; each stage kind reports the pass "
+                   "with the lowest median (the machine's noise only adds time)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "attention": {}, "context_mean": {},
                  "command": "python -m infer.bench_host " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
-                         "fused; microseconds of CPU per engine step"}
+                         "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
+                         "lowest median"}
     with torch.inference_mode():
         for b in a.batches:
-            cdb = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed, a.temperature)
-            cb = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature)
-            for key in ("host_us", "runner_us", "rest_us"):
-                out[key][str(b)] = {**cdb[key], **{k: v for k, v in cb[key].items() if k == "fused"}}
+            for rep in range(a.repeats):  # the quietest pass per stage kind (shared, noisy machines)
+                cdb = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed, a.temperature)
+                cb = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature)
+                got = {key: {**cdb[key], **{k: v for k, v in cb[key].items() if k == "fused"}}
+                       for key in ("host_us", "runner_us", "rest_us")}
+                best = out["host_us"].setdefault(str(b), {})
+                for k, v in got["host_us"].items():
+                    if k not in best or v["median"] < best[k]["median"]:  # the split comes from the same pass
+                        for key in ("host_us", "runner_us", "rest_us"):
+                            out[key].setdefault(str(b), {})[k] = got[key][k]
             out["attention"][str(b)] = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed,
                                                count_attention=True)["attention"]
             out["context_mean"][str(b)] = cdb["context_mean"]
