@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                          "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
                          "lowest median"}
     with torch.inference_mode():
+        measure(a.batches[0], dict(policy="cdb", refill=True), a.steps, a.seed, a.temperature)  # warm-up, discarded
         for b in a.batches:
             for rep in range(a.repeats):  # the quietest pass per stage kind (shared, noisy machines)
                 cdb = measure(b, dict(policy="cdb", refill=True), a.steps, a.seed, a.temperature)
