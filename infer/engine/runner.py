@@ -197,7 +197,7 @@ class ModelRunner:
                 pg = buf[h + 2 * k:].view(-1, 2)
                 self.page_index.index_copy_(0, pg[:, 0], pg[:, 1])
         inp = buf[:h] if k else buf
-        if self.attention_stats is not None:
+        if self.attention_stats is not None and context:  # (a stage without attention reads no KV)
             self._count_attention(seqs, N, nb)
         self._prev = (seqs, inp[:N] if tokens else inp, nb) if context else (None, None, 0)
         return inp, nb
