@@ -51,7 +51,8 @@ class BenchModel:
 
 class NoopRunner(ModelRunner):
     """ModelRunner with no-op kernels over the real metadata path. The layout's on-exit KV fill
-    (last_exited) is a kernel too: skipped (on CUDA it also synchronises, see docs/results.md)."""
+    (last_exited) is device work inside the coda's body, so it is skipped with the body; a mixed
+    launch (prompt chunks) calls it outside the body: a no-op here too."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
