@@ -91,18 +91,20 @@ class ExitTracker:
     (r_max until an exit is decided) and `open` whether scores still matter: the scheduler's
     per-item hot loop reads both instead of calling methods (infer/engine/scheduler.py)."""
 
-    __slots__ = ("policy", "survival", "exit_at", "stop_at", "open")
+    __slots__ = ("policy", "survival", "exit_at", "stop_at", "open", "_r_max", "_adaptive")
 
     def __init__(self, policy: ExitPolicy):
         self.policy = policy
+        # read once: reset() runs once per item per prelude, and `adaptive` is a property
+        self._r_max, self._adaptive = policy.r_max, policy.adaptive
         self.reset()
 
     def reset(self) -> None:
         """Start over for the sequence's next token (the engine keeps one tracker per sequence)."""
         self.survival = 1.0  # ouro_gate: prod_{j<=s} (1 - lambda_j)
         self.exit_at: int | None = None  # the exit depth, once decided
-        self.stop_at = self.policy.r_max  # the loop step after which the token leaves the loop
-        self.open = self.policy.adaptive  # no decision yet: the next score may decide the exit
+        self.stop_at = self._r_max  # the loop step after which the token leaves the loop
+        self.open = self._adaptive  # no decision yet: the next score may decide the exit
 
     def after_step(self, s: int, score: float) -> bool:
         """Take step s's signal; returns `exits_after(s)`. (`signal` inlined: this runs once per
