@@ -17,6 +17,8 @@ from infer.engine.sequence import Sequence, Stage
 from looplm import ExitPolicy, tiny_model
 from looplm.model import LoopedLM
 
+from staggered import run_staggered  # tests/staggered.py
+
 MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
          "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
          "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
@@ -30,18 +32,7 @@ def model(arch):
 
 def run(eng, reqs, seed):
     """Staggered arrivals (seeded); returns (tokens, depths, logprobs) per request in input order."""
-    rng = random.Random(seed)
-    pending, seqs, steps = list(enumerate(reqs)), {}, 0
-    while pending or eng.has_unfinished():
-        if pending and (not eng.has_unfinished() or rng.random() < 0.4):
-            for _ in range(rng.randint(1, 3)):
-                if pending:
-                    i, (p, n) = pending.pop(0)
-                    seqs[i] = eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True))
-        eng.step()
-        steps += 1
-        assert steps < 20000, "no progress"
-    return [(seqs[i].output_ids, seqs[i].exit_depths, seqs[i].logprobs) for i in range(len(reqs))]
+    return run_staggered(eng, reqs, seed, join=0.4, burst=3)
 
 
 CASES = [(m, lay, la) for m, lay, la in itertools.product(MODES, LAYOUTS, [False, True])

@@ -21,6 +21,8 @@ from infer.serving.async_engine import AsyncEngine
 from infer.serving.metrics import render_metrics
 from looplm import ExitPolicy, ParamError, tiny_model
 
+from staggered import run_staggered  # tests/staggered.py
+
 MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
          "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
          "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
@@ -51,19 +53,7 @@ def shared_prefix_workload(seed, n=10, max_new=(3, 7)):
 
 def run(eng, reqs, seed, **params):
     """Staggered arrivals (seeded); returns (tokens, depths, logprobs) per request, input order."""
-    rng = random.Random(seed)
-    pending, seqs, steps = list(enumerate(reqs)), {}, 0
-    while pending or eng.has_unfinished():
-        if pending and (not eng.has_unfinished() or rng.random() < 0.25):
-            for _ in range(rng.randint(1, 2)):
-                if pending:
-                    i, (p, n) = pending.pop(0)
-                    seqs[i] = eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True,
-                                                                **params))
-        eng.step()
-        steps += 1
-        assert steps < 20000, "no progress"
-    return [(seqs[i].output_ids, seqs[i].exit_depths, seqs[i].logprobs) for i in range(len(reqs))]
+    return run_staggered(eng, reqs, seed, join=0.25, burst=2, **params)
 
 
 def assert_same(want, got):
