@@ -51,12 +51,11 @@ class BenchModel:
 
 class NoopRunner(ModelRunner):
     """ModelRunner with no-op kernels over the real metadata path. The layout's on-exit KV fill
-    (last_exited) is device work inside the coda's body, so it is skipped with the body; a mixed
-    launch (prompt chunks) calls it outside the body: a no-op here too."""
+    (last_exited) is device work inside the coda's body, so it is skipped with the body (prompts run
+    in prefill launches here, so no mixed launch calls it either)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.layout.on_exit = lambda rows, depths: None
         N = self.padded(self.max_batch_size)
         self._scores = torch.zeros(N, dtype=torch.float32, device=self.device)
         # logits one column wide: the sampler's argmax (or draw) over the vocabulary is a kernel,
