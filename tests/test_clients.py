@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "checkpoints" / "ouro-demo"
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
-       "TOKENIZERS_PARALLELISM": "false", "LOOPLM_DEBUG": ""}
+       "TOKENIZERS_PARALLELISM": "false", "LOOPLM_DEBUG": "", "PYTHONFAULTHANDLER": "1"}
 TEXT = "The history of the city is long and the river"
 
 
@@ -35,9 +36,10 @@ class Server:
             line = self.proc.stdout.readline()
             assert line or self.proc.poll() is None, "server exited: " + "".join(self.lines)
             self.lines.append(line)
-            m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-            if m:
+            m = re.search(r"on (http://(127\.0\.0\.1):(\d+))", line)
+            if m:  # the announced socket already listens (a connection made at once is not refused)
                 self.url = m.group(1)
+                socket.create_connection((m.group(2), int(m.group(3))), timeout=60).close()
                 break
             assert time.monotonic() < deadline, "server did not start: " + "".join(self.lines)
 
@@ -47,7 +49,12 @@ class Server:
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:  # fail with every thread's stack (faulthandler, see ENV)
+            self.proc.send_signal(signal.SIGABRT)
+            out = self.proc.communicate(timeout=30)[0]
+            pytest.fail(f"the server did not exit 30 s after SIGTERM:\n{out[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +300,7 @@ def test_missing_tokenizer_is_a_warning_at_load_and_server_start(tmp_path):
         assert line, "".join(lines)
         lines.append(line)
     s.stop()
+    assert s.proc.returncode == 0, lines  # SIGTERM is a graceful shutdown
     assert any(ln.startswith("warning:") and "no tokenizer" in ln for ln in lines), lines  # at server start
     assert any(f"{tmp_path} has no tokenizer" in ln for ln in lines), lines  # at load (looplm.io), naming the folder
 

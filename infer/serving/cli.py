@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from infer.engine.llm_engine import LLMEngine
 
 from .async_engine import AsyncEngine
 from .protocol import ECHO_DEPTHS
-from .server import build_app
+from .server import bind, build_app, run
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,9 +67,7 @@ def make_server(a: argparse.Namespace):
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
     app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes,
                     echo_logprobs_depth=a.echo_logprobs_depth)
-    sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((a.host, a.port))
+    sock = bind(a.host, a.port)
     config = uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.drain_timeout,
                             limit_concurrency=a.limit_concurrency, access_log=False)
     return uvicorn.Server(config), sock
@@ -84,7 +80,6 @@ def main(argv: list[str] | None = None) -> None:
         return replicas_main(a)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server, sock = make_server(a)
-    host, port = sock.getsockname()[:2]
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {a.host}, reachable beyond this machine"
               + ("" if a.api_key else " without an API key"), flush=True)
@@ -93,14 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         print("warning: this model has no tokenizer: /v1/completions takes token-id prompts only (no text, stop "
               "strings or chat)", file=sys.stderr, flush=True)
     c = aeng.engine.config
-    print(f"serving {a.model} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, {c.kv_layout}) "
-          f"on http://{host}:{port}", flush=True)
-    # uvicorn re-raises the signal it shut down on; after a graceful shutdown that is a clean exit
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+    run(server, sock, f"serving {a.model} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, "
+                      f"{c.kv_layout})")
 
 
 if __name__ == "__main__":

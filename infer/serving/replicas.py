@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -323,20 +322,14 @@ def stop(a: argparse.Namespace) -> None:
 def main(a: argparse.Namespace) -> None:
     import uvicorn
 
+    from .server import bind, run
+
     try:
         handle, board = start(a)
-        sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((a.host, a.port))
+        sock = bind(a.host, a.port)
         app = build_ingress(handle, board, max_request_bytes=a.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.drain_timeout,
                                                limit_concurrency=a.limit_concurrency, access_log=False))
-        host, port = sock.getsockname()[:2]
-        print(f"serving {a.model} on {a.replicas} replicas (Ray Serve) on http://{host}:{port}", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass
+        run(server, sock, f"serving {a.model} on {a.replicas} replicas (Ray Serve)")
     finally:
         stop(a)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -297,3 +299,28 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound socket for `run` (port 0: any free port, read back with getsockname)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run(server, sock: socket.socket, banner: str) -> None:
+    """Announce `<banner> on http://host:port` once the socket listens, then serve until SIGTERM or
+    Ctrl-C; both drain in-flight requests (uvicorn's graceful shutdown) and exit 0."""
+    # A SIGTERM before uvicorn installs its own handlers (and the one it re-raises after its graceful
+    # shutdown) asks for the same graceful exit: uvicorn then skips its main loop and shuts down.
+    # Raising SystemExit from this handler instead would land wherever the main thread is, inside
+    # asyncio's setup, with the lifespan's engine thread possibly half started.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    sock.listen(server.config.backlog)  # a client that connects after the line below waits in the backlog
+    host, port = sock.getsockname()[:2]
+    print(f"{banner} on http://{host}:{port}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
