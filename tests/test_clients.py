@@ -32,16 +32,20 @@ class Server:
                                      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         self.lines = []
-        while True:
-            line = self.proc.stdout.readline()
-            assert line or self.proc.poll() is None, "server exited: " + "".join(self.lines)
-            self.lines.append(line)
-            m = re.search(r"on (http://(127\.0\.0\.1):(\d+))", line)
-            if m:  # the announced socket already listens (a connection made at once is not refused)
-                self.url = m.group(1)
-                socket.create_connection((m.group(2), int(m.group(3))), timeout=60).close()
-                break
-            assert time.monotonic() < deadline, "server did not start: " + "".join(self.lines)
+        try:
+            while True:
+                line = self.proc.stdout.readline()
+                assert line or self.proc.poll() is None, "server exited: " + "".join(self.lines)
+                self.lines.append(line)
+                m = re.search(r"on (http://(127\.0\.0\.1):(\d+))", line)
+                if m:  # the announced socket already listens (a connection made at once is not refused)
+                    self.url = m.group(1)
+                    socket.create_connection((m.group(2), int(m.group(3))), timeout=60).close()
+                    break
+                assert time.monotonic() < deadline, "server did not start: " + "".join(self.lines)
+        except BaseException:  # a fixture that fails here never reaches stop(): leave no server behind
+            self.proc.kill()
+            raise
 
     def post(self, body: dict | str, path: str = "/v1/completions") -> httpx.Response:
         content = body if isinstance(body, str) else json.dumps(body)
