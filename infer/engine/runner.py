@@ -306,8 +306,13 @@ class ModelRunner:
         return self.body(stage, inp, nb, r_max), len(seqs)
 
     # ------------------------------------------------------------------ stages
-    @torch.inference_mode()
     def run(self, work: Work) -> torch.Tensor | PendingScores | None:
+        if torch.is_inference_mode_enabled():  # the engine's loops already are (entering costs ~5 us a stage)
+            return self._run(work)
+        with torch.inference_mode():
+            return self._run(work)
+
+    def _run(self, work: Work) -> torch.Tensor | PendingScores | None:
         if work.changed:  # rewritten at this or the next stage that uploads (a prefill does not)
             self._redo += work.changed
         # a launch with prompt chunks riding along runs the mixed path (mixed.py), eagerly

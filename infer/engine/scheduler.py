@@ -100,6 +100,8 @@ class Scheduler:
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []
         self.coda_q: list[Sequence] = []
+        # the decode queue of each stage (built once: the queues are only ever changed in place)
+        self.queues = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}
         self.last_stage: Stage | None = None
         self._pending: tuple[list[Sequence], Scores] | None = None  # pipeline: the last core step's scores
 
@@ -131,8 +133,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of whichever queue holds it and release its memory (stop or abort)."""
-        q = {Stage.PREFILL: self.waiting, Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q,
-             Stage.CODA: self.coda_q}.get(seq.stage)
+        q = self.waiting if seq.stage is Stage.PREFILL else self.queues.get(seq.stage)
         if q is not None and seq in q:
             q.remove(seq)
         if seq in self.stalled:
@@ -218,7 +219,7 @@ class Scheduler:
         return work
 
     def _take(self, stage: Stage) -> Work | None:
-        q = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[stage]
+        q = self.queues[stage]
         chunks = list(self.chunks.at[stage]) if self.chunks is not None else []
         if not q and not chunks:
             return None
@@ -271,7 +272,7 @@ class Scheduler:
         elif work.stage is Stage.CORE:
             self._after_core(seqs, scores)
         else:
-            src = {Stage.PREFILL: None, Stage.CODA: self.coda_q, Stage.FUSED: self.prelude_q}[work.stage]
+            src = self.coda_q if work.stage is Stage.CODA else self.prelude_q if work.stage is Stage.FUSED else None
             if src is not None:
                 self._drop(seqs, src)
             going = seqs + done if done else seqs  # done: chunks that completed their prompt (first token sampled)
@@ -280,14 +281,15 @@ class Scheduler:
                     if s.seq_id in finished:
                         self.finish(s, finished[s.seq_id])
                 going = [s for s in going if s.seq_id not in finished]
-            pre = Stage.PRELUDE
-            for s in going:
-                s.stage = pre
-            self.prelude_q += going
+            pre, B = Stage.PRELUDE, self.blocks.block_size
             # the block of the next token's row, oldest first (it keeps its memory); only a sequence
             # whose next row falls past its last block needs one (one token in block_size)
-            B = self.blocks.block_size
-            need = [s for s in going if len(s.prompt_ids) + len(s.output_ids) > len(s.blocks) * B]
+            need = []
+            for s in going:
+                s.stage = pre
+                if len(s.prompt_ids) + len(s.output_ids) > len(s.blocks) * B:
+                    need.append(s)
+            self.prelude_q += going
             if need:
                 need.sort(key=lambda s: s.seq_id)
                 for s in need:
@@ -373,7 +375,7 @@ class Scheduler:
         if s in self.stalled:
             self.stalled.remove(s)
         else:
-            q = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[s.stage]
+            q = self.queues[s.stage]
             q.remove(s)
         self.swap_ops.append(SwapOp("out", s, s.blocks, s.slot))
         self.blocks.free(s.blocks, s.slot)
@@ -401,5 +403,5 @@ class Scheduler:
             self.swap_ops.append(SwapOp("in", s, s.blocks, s.slot))
             self.changed.append(s)
             self.counters["swapped_in_blocks"] += n
-            {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}[stage].append(s)
+            self.queues[stage].append(s)
             s.stage = stage

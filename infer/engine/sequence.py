@@ -22,6 +22,10 @@ class Stage(enum.Enum):
     CODA = "coda"  # exited tokens -> logits; queue 4
     FUSED = "fused"  # CB: prelude + r_max core steps + coda in one launch
 
+    # Members are singletons compared by identity, so identity is a valid hash; Enum's own
+    # __hash__ is a Python-level hash(name), paid at every Stage-keyed lookup of every stage.
+    __hash__ = object.__hash__
+
     @property
     def reads_tokens(self) -> bool:
         """The stage embeds each decode item's last token (its input comes with the batch)."""
