@@ -84,6 +84,9 @@ class ExitPolicy:
                           min(self.r_min, rmax) if r_min is None else r_min, rmax, self.lookahead)
 
 
+_GATE_KINDS = {"learned": 1, "ouro_gate": 2}  # ExitTracker._kind; 0: a distance criterion (or none)
+
+
 class ExitTracker:
     """Exit bookkeeping of one decode token: `after_step(s, score)` takes the signal computed after
     loop step s (1-based) and may fix the exit depth (s, or s + 1 with lookahead);
@@ -91,12 +94,16 @@ class ExitTracker:
     (r_max until an exit is decided) and `open` whether scores still matter: the scheduler's
     per-item hot loop reads both instead of calling methods (infer/engine/scheduler.py)."""
 
-    __slots__ = ("policy", "survival", "exit_at", "stop_at", "open", "_r_max", "_adaptive")
+    __slots__ = ("policy", "survival", "exit_at", "stop_at", "open", "_r_max", "_adaptive", "_kind", "_thr",
+                 "_r_min", "_look")
 
     def __init__(self, policy: ExitPolicy):
         self.policy = policy
-        # read once: reset() runs once per item per prelude, and `adaptive` is a property
+        # the policy read once (it is frozen): reset() runs once per item per prelude and after_step
+        # once per item per core step; `adaptive` is a property
         self._r_max, self._adaptive = policy.r_max, policy.adaptive
+        self._kind = _GATE_KINDS.get(policy.criterion, 0)
+        self._thr, self._r_min, self._look = policy.threshold, policy.r_min, policy.lookahead
         self.reset()
 
     def reset(self) -> None:
@@ -110,21 +117,20 @@ class ExitTracker:
         """Take step s's signal; returns `exits_after(s)`. (`signal` inlined: this runs once per
         item per core step; the arithmetic is the same expression for expression.)"""
         if self.open:
-            p = self.policy
-            if s >= p.r_max:
+            if s >= self._r_max:
                 self.open = False
             else:
-                c = p.criterion
-                if c == "ouro_gate" or c == "learned":  # score = gate logit, lambda = sigmoid(score), computed stably
+                k = self._kind
+                if k:  # ouro_gate (2) or learned (1): score = gate logit, lambda = sigmoid(score), computed stably
                     lam = 1.0 / (1.0 + math.exp(-score)) if score >= 0 else math.exp(score) / (1.0 + math.exp(score))
-                    if c == "ouro_gate":  # exit at the first step whose CDF 1 - prod(1 - lambda) reaches q
+                    if k == 2:  # ouro_gate: exit at the first step whose CDF 1 - prod(1 - lambda) reaches q
                         lam, self.survival = 1.0 - self.survival * (1.0 - lam), self.survival * (1.0 - lam)
-                    fire = lam >= p.threshold
+                    fire = lam >= self._thr
                 else:  # kl, latent_diff, entropy_diff (`open` is False for criterion none)
-                    fire = score < p.threshold
+                    fire = score < self._thr
                 if fire:
-                    depth = s + 1 if p.lookahead else s
-                    if depth >= p.r_min:  # depth <= r_max: s < r_max
+                    depth = s + 1 if self._look else s
+                    if depth >= self._r_min:  # depth <= r_max: s < r_max
                         self.exit_at = self.stop_at = depth
                         self.open = False
         return s >= self.stop_at
