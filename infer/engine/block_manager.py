@@ -84,9 +84,12 @@ class BlockManager:
         """Extend the block table `blocks` in place to hold `tokens` rows; False (and no change)
         when not enough blocks are free."""
         n = self.blocks_for(tokens) - len(blocks)
+        if n <= 0:
+            return True
         if n > self.num_free:
             return False
-        blocks.extend(self._take() for _ in range(max(0, n)))
+        for _ in range(n):  # (decode grows one block at a time: a plain loop, no generator to build)
+            blocks.append(self._take())
         return True
 
     def _take(self) -> int:
