@@ -81,6 +81,44 @@ def test_swap_space_full_waits_never_drops():
     assert eng.blocks.all_free
 
 
+@pytest.mark.parametrize("mode,prefill,paged", [("refill_k1", "separate", False), ("refill_k1", "mixed", True),
+                                                 ("norefill", "mixed", False), ("cb", "separate", True)])
+def test_device_block_tables_follow_the_scheduler(mode, prefill, paged):
+    """The runner sends a block table once and then only what changes (`Work.changed`: admitted,
+    swapped in, resumed; `Work.grown`: the new entries of a table that crossed into a block). Under
+    preemption and growth, every item of every decode launch finds its whole table, its inverse page
+    entries and its position on the device."""
+    seed = sum(map(ord, mode + prefill)) + paged
+    print("seed", seed)
+    rng = random.Random(seed)
+    reqs = [([rng.randrange(1, 256) for _ in range(rng.randint(2, 9))], rng.randint(6, 14)) for _ in range(7)]
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(kv_cache_tokens=24, watermark=0.0, max_batch_size=8, block_size=4,
+                                                     exit_threshold=0.55, prefill=prefill, **MODES[mode]))
+    r = eng.runner
+    if paged:
+        r.enable_paged(compile=False)
+    run_ = r.run
+    checked = {"items": 0, "grown": 0}
+
+    def checked_run(work):
+        out = run_(work)
+        checked["grown"] += len(work.grown)
+        if work.stage is not Stage.PREFILL:
+            for s in work.seqs:
+                sl, n = s.slot, len(s.blocks)
+                assert r._own[sl] is s and r._nblk[sl] == n and r.bt[sl, :n].tolist() == s.blocks, (work.stage, s)
+                assert int(r.pos[sl]) == s.num_tokens - 1, (work.stage, s)
+                if paged:
+                    assert r.page_index[s.blocks].tolist() == list(range(n))
+                checked["items"] += 1
+        return out
+    r.run = checked_run
+    run(eng, reqs, seed)
+    m = eng.metrics()
+    assert checked["items"] > 50 and checked["grown"] > 5 and m["preemptions"] > 0, (checked, m)
+    assert eng.blocks.all_free
+
+
 def ouro_real_layers(max_position=65536) -> LoopedLM:
     """Ouro-1.4B's real layer / head counts (24 core layers, 16 KV heads, r_max 4, context 65536)
     with tiny hidden sizes."""

@@ -109,8 +109,9 @@ class ModelRunner:
         """Per-slot decode metadata on the device, kept across stages (vLLM V1's persistent batch):
         position, loop step and block table of the sequence in each state slot. A stage sends, in
         one host-to-device copy, its slots, the last tokens of its items if it embeds them (prelude,
-        fused), and the metadata of the sequences the scheduler reports in `Work.changed`
-        (admitted, grown by a block, swapped in) or that were invalidated; nothing else is per item.
+        fused), the metadata of the sequences the scheduler reports in `Work.changed` (admitted,
+        swapped in, resumed) or that were invalidated, and the new block-table entries of those in
+        `Work.grown`; nothing else is per item.
         Positions advance on the device: a prelude (or fused) launch moves each of its slots one
         position on, since every decode token passes through exactly one. The host keeps no
         per-token mirror: it knows which block tables it sent (`_own`, `_nblk`), and the context
@@ -136,6 +137,7 @@ class ModelRunner:
         self._own: list[Sequence | None] = [None] * S  # whose block table the device holds, per slot
         self._nblk = [0] * S  # how many entries of it
         self._redo: list[Sequence] = []  # to rewrite at the next upload (Work.changed, invalidate)
+        self._grown: list[Sequence] = []  # new block-table entries to send at the next upload (Work.grown)
         self._prev: tuple = (None, None, 0)  # the last upload (seqs, slots, context blocks): see _upload
         self.attention_stats: dict | None = None  # see _count_attention
 
@@ -154,8 +156,8 @@ class ModelRunner:
         with no attention layer, Ouro's prelude, reads none). A stage over the same
         sequences as the previous one with nothing to send (consecutive core steps) reuses the
         previous slots: no copy, no per-item work."""
-        redo = self._redo
-        if not tokens and not redo and seqs == self._prev[0]:  # identity compare, C speed
+        redo, grown = self._redo, self._grown
+        if not tokens and not redo and not grown and seqs == self._prev[0]:  # identity compare, C speed
             if self.attention_stats is not None:
                 self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
             return self._prev[1], self._prev[2]
@@ -163,6 +165,21 @@ class ModelRunner:
         idx: list[int] = []  # flat indices into _flat (position, loop step, block-table entries)
         val: list[int] = []
         new_pages: list[int] = []  # (block, its index in the table) for the paged path's inverse table
+        for s in grown:  # the device holds the rest of the table, and the position and loop step
+            sl = s.slot
+            if sl < 0:  # finished or swapped out since
+                continue
+            if own[sl] is not s:  # the device has not got its table yet (admitted or swapped in since)
+                redo.append(s)
+                continue
+            blocks = s.blocks
+            for c in range(nblk[sl], len(blocks)):
+                idx.append(2 * S + sl * MB + c)
+                val.append(blocks[c])
+                new_pages += (blocks[c], c)
+            nblk[sl] = len(blocks)
+        if grown:
+            self._grown = []
         for s in redo:
             sl = s.slot
             if sl < 0:  # finished or swapped out since
@@ -315,6 +332,8 @@ class ModelRunner:
     def _run(self, work: Work) -> torch.Tensor | PendingScores | None:
         if work.changed:  # rewritten at this or the next stage that uploads (a prefill does not)
             self._redo += work.changed
+        if work.grown:
+            self._grown += work.grown
         # a launch with prompt chunks riding along runs the mixed path (mixed.py), eagerly
         if work.chunks:
             return self._mixed_core(work) if work.stage is Stage.CORE else mixed.run(self, work)

@@ -75,9 +75,12 @@ class Work:
     r_max: int = 0  # FUSED: the loop steps of this iteration
     chunks: list[Sequence] = field(default_factory=list)  # mixed prefill: prompt chunks riding along
     finals: list[Sequence] = field(default_factory=list)  # the chunks whose first token this launch samples
-    # sequences whose slot or block table changed since the previous Work (admitted, grown, swapped
-    # in): the runner rewrites their per-slot metadata; every other slot is known to it already
+    # sequences whose slot or block table changed since the previous Work (admitted, swapped in,
+    # resumed): the runner rewrites their per-slot metadata; every other slot is known to it already
     changed: list[Sequence] = field(default_factory=list)
+    # decode sequences whose block table grew at its end since the previous Work (one block on
+    # crossing into it): the runner sends only the new entries
+    grown: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -90,6 +93,7 @@ class Scheduler:
         self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
         self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
         self.changed: list[Sequence] = []  # slot or block table changed since the last Work (Work.changed)
+        self.grown: list[Sequence] = []  # block table grew since the last Work (Work.grown)
         self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
                          "swap_overcommits": 0}
         # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
@@ -171,6 +175,8 @@ class Scheduler:
             self.last_stage = work.stage
             if self.changed:
                 work.changed, self.changed = self.changed, []
+            if self.grown:
+                work.grown, self.grown = self.grown, []
         return work
 
     def _schedule_mixed(self) -> Work | None:
@@ -364,7 +370,7 @@ class Scheduler:
             self._swap_out(victim)
             if victim is s:
                 return
-        self.changed.append(s)
+        self.grown.append(s)
 
     def _holders(self) -> list[Sequence]:
         return self.prelude_q + self.core_q + self.coda_q + self.stalled
