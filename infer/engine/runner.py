@@ -17,6 +17,7 @@ device still runs this one (the lookahead pipeline).
 from __future__ import annotations
 
 from array import array
+from itertools import chain, repeat
 from operator import is_
 from typing import Protocol, runtime_checkable
 
@@ -165,38 +166,30 @@ class ModelRunner:
         idx: list[int] = []  # flat indices into _flat (position, loop step, block-table entries)
         val: list[int] = []
         new_pages: list[int] = []  # (block, its index in the table) for the paged path's inverse table
-        for s in grown:  # the device holds the rest of the table, and the position and loop step
+        # rewrites (redo: position, loop step, and the table from what the device holds of it) and
+        # growth (grown: the new table entries only; the device holds the rest, the position and
+        # the loop step, unless the table never reached it: admitted or swapped in since)
+        for s, meta in chain(zip(grown, repeat(False)), zip(redo, repeat(True))):
             sl = s.slot
             if sl < 0:  # finished or swapped out since
                 continue
-            if own[sl] is not s:  # the device has not got its table yet (admitted or swapped in since)
-                redo.append(s)
-                continue
             blocks = s.blocks
-            for c in range(nblk[sl], len(blocks)):
+            held = own[sl] is s and nblk[sl] <= len(blocks)
+            if meta or not held:
+                out = s.output_ids
+                # the device position is that of the last token whose prelude ran: a decode token
+                # waiting in the prelude queue has not had it yet (a prompt's first prelude gives position L)
+                p = len(s.prompt_ids) + len(out) - (2 if out and s.stage is Stage.PRELUDE else 1)
+                idx += (2 * sl, 2 * sl + 1)
+                val += (p, s.step)
+            own[sl] = s
+            for c in range(nblk[sl] if held else 0, len(blocks)):
                 idx.append(2 * S + sl * MB + c)
                 val.append(blocks[c])
                 new_pages += (blocks[c], c)
             nblk[sl] = len(blocks)
         if grown:
             self._grown = []
-        for s in redo:
-            sl = s.slot
-            if sl < 0:  # finished or swapped out since
-                continue
-            out, blocks = s.output_ids, s.blocks
-            # the device position is that of the last token whose prelude ran: a decode token
-            # waiting in the prelude queue has not had it yet (a prompt's first prelude gives position L)
-            p = len(s.prompt_ids) + len(out) - (2 if out and s.stage is Stage.PRELUDE else 1)
-            idx += (2 * sl, 2 * sl + 1)
-            val += (p, s.step)
-            c0 = nblk[sl] if own[sl] is s and nblk[sl] <= len(blocks) else 0  # grown: the new entries only
-            own[sl] = s
-            for c in range(c0, len(blocks)):
-                idx.append(2 * S + sl * MB + c)
-                val.append(blocks[c])
-                new_pages += (blocks[c], c)
-            nblk[sl] = len(blocks)
         if redo:
             self._redo = []
         slots = [s.slot for s in seqs]
