@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -30,6 +31,9 @@ from .metrics import render_metrics
 from .protocol import (APIError, GenRequest, bad, get, parse_chat, parse_completion, parse_json, render_chat,
                        token_ids)
 from .responses import choice, echo_choice, sse, usage
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -309,7 +313,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(server, sock: socket.socket, banner: str) -> None:
+def run(server: uvicorn.Server, sock: socket.socket, banner: str) -> None:
     """Announce `<banner> on http://host:port` once the socket listens, then serve until SIGTERM or
     Ctrl-C; both drain in-flight requests (uvicorn's graceful shutdown) and exit 0."""
     # A SIGTERM before uvicorn installs its own handlers (and the one it re-raises after its graceful
