@@ -27,8 +27,8 @@ TEXT = "The history of the city is long and the river"
 class Server:
     """`python -m infer.serve` on a free port (the command line a user runs)."""
 
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", str(DEMO), "--port", "0", *args],
+    def __init__(self, *args: str, model: Path = DEMO):
+        self.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", str(model), "--port", "0", *args],
                                      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         self.lines = []
@@ -295,15 +295,9 @@ def test_cli_bad_input_is_one_error_line(cmd, needle, broken, tmp_path):
 def test_missing_tokenizer_is_a_warning_at_load_and_server_start(tmp_path):
     for name in ("config.json", "model.safetensors"):  # a checkpoint folder without tokenizer files
         (tmp_path / name).write_bytes((DEMO / name).read_bytes())
-    s = Server.__new__(Server)
-    s.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", str(tmp_path), "--port", "0"], cwd=ROOT,
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    while not any("on http://" in ln for ln in lines):
-        line = s.proc.stdout.readline()
-        assert line, "".join(lines)
-        lines.append(line)
+    s = Server(model=tmp_path)
     s.stop()
+    lines = s.lines
     assert s.proc.returncode == 0, lines  # SIGTERM is a graceful shutdown
     assert any(ln.startswith("warning:") and "no tokenizer" in ln for ln in lines), lines  # at server start
     assert any(f"{tmp_path} has no tokenizer" in ln for ln in lines), lines  # at load (looplm.io), naming the folder

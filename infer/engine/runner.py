@@ -169,7 +169,7 @@ class ModelRunner:
         # rewrites (redo: position, loop step, and the table from what the device holds of it) and
         # growth (grown: the new table entries only; the device holds the rest, the position and
         # the loop step, unless the table never reached it: admitted or swapped in since)
-        for s, meta in chain(zip(grown, repeat(False)), zip(redo, repeat(True))):
+        for s, meta in chain(zip(grown, repeat(False)), zip(redo, repeat(True))) if grown or redo else ():
             sl = s.slot
             if sl < 0:  # finished or swapped out since
                 continue
