@@ -15,17 +15,28 @@ def initial_aux(criterion: str, n: int, vocab: int, device) -> torch.Tensor | No
         return torch.full((n, vocab), -math.log(vocab), dtype=torch.float64, device=device)
     if criterion == "entropy_diff":
         return torch.full((n,), 100.0, dtype=torch.float64, device=device)
+    if criterion == "ouro_gate":  # survival prod_j (1 - lambda_j) of no step yet
+        return torch.ones(n, dtype=torch.float64, device=device)
     return None
 
 
 def step_scores(criterion: str, prev_state: torch.Tensor, state: torch.Tensor, gate_logits: torch.Tensor | None,
                 logits: torch.Tensor | None, aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-item scores [N] after a core step, and the new per-item criterion memory `aux`
-    (kl: previous log-probs [N, V]; entropy_diff: previous entropy [N]; else None).
-    `aux=None` at step 1 means: compare against the criterion's initial value."""
+    (kl: previous log-probs [N, V]; entropy_diff: previous entropy [N]; ouro_gate: the survival
+    prod_j (1 - lambda_j) [N]; else None). `aux=None` at step 1 means: compare against the
+    criterion's initial value.
+    The gate criteria's scores are probabilities, computed here on the device for the whole batch
+    (learned: sigmoid(gate logit); ouro_gate: the exit CDF 1 - prod_j (1 - lambda_j), lambda_j =
+    sigmoid(gate logit of step j)), so that the host's exit decision is one comparison per item
+    (policy.py): Python float arithmetic per item per core step cost ~0.3 us, the largest host cost
+    of a core step at batch 256. The reference decoder calls this same function (batch of one)."""
+    if criterion == "learned":
+        return torch.sigmoid(gate_logits.double()), None
+    if criterion == "ouro_gate":
+        surv = (1.0 - torch.sigmoid(gate_logits.double())) * (aux if aux is not None else 1.0)
+        return 1.0 - surv, surv
     n = state.shape[0]
-    if criterion in ("ouro_gate", "learned"):
-        return gate_logits.double(), None
     if criterion == "latent_diff":
         diff = (prev_state - state).double().norm(dim=-1) / state.double().norm(dim=-1)
         return diff, None

@@ -1,10 +1,10 @@
 """The exit policy and the per-token exit decision. Pure Python (no torch): the scheduler uses it.
 
-The runner computes one float `score` per item after each core step (looplm/exits.py); an
-`ExitTracker` turns the sequence of scores into the exit depth:
-- `ouro_gate`: score = gate logit, lambda = sigmoid; exit at the first step whose CDF
-  1 - prod(1 - lambda) >= q (Ouro's exit distribution).
-- `learned`: score = gate logit; exit when sigmoid(score) >= q (a per-step "stop now" head).
+The runner computes one float `score` per item after each core step (looplm/exits.py, on the
+device for the whole batch); an `ExitTracker` turns the sequence of scores into the exit depth:
+- `ouro_gate`: score = the exit CDF 1 - prod_j (1 - lambda_j), lambda_j = sigmoid(gate logit of
+  step j); exit at the first step whose CDF >= q (Ouro's exit distribution).
+- `learned`: score = sigmoid(gate logit); exit when score >= q (a per-step "stop now" head).
 - `kl`: KL(prev || current) of the output distributions < q (prev = uniform at step 1).
 - `latent_diff`: ||s_t - s_{t-1}|| / ||s_t|| < q (s_0 = the initial state).
 - `entropy_diff`: |H_t - H_{t-1}| < q (H_0 = 100, as in Huginn's reference).
@@ -84,9 +84,6 @@ class ExitPolicy:
                           min(self.r_min, rmax) if r_min is None else r_min, rmax, self.lookahead)
 
 
-_GATE_KINDS = {"learned": 1, "ouro_gate": 2}  # ExitTracker._kind; 0: a distance criterion (or none)
-
-
 class ExitTracker:
     """Exit bookkeeping of one decode token: `after_step(s, score)` takes the signal computed after
     loop step s (1-based) and may fix the exit depth (s, or s + 1 with lookahead);
@@ -94,45 +91,35 @@ class ExitTracker:
     (r_max until an exit is decided) and `open` whether scores still matter: the scheduler's
     per-item hot loop reads both instead of calling methods (infer/engine/scheduler.py)."""
 
-    __slots__ = ("policy", "survival", "exit_at", "stop_at", "open", "_r_max", "_adaptive", "_kind", "_thr",
-                 "_r_min", "_look")
+    __slots__ = ("policy", "exit_at", "stop_at", "open", "_r_max", "_adaptive", "_prob", "_thr", "_r_min",
+                 "_look")
 
     def __init__(self, policy: ExitPolicy):
         self.policy = policy
         # the policy read once (it is frozen): reset() runs once per item per prelude and after_step
         # once per item per core step; `adaptive` is a property
         self._r_max, self._adaptive = policy.r_max, policy.adaptive
-        self._kind = _GATE_KINDS.get(policy.criterion, 0)
+        self._prob = policy.criterion in PROBABILITY_CRITERIA  # the score is an exit probability (else a distance)
         self._thr, self._r_min, self._look = policy.threshold, policy.r_min, policy.lookahead
         self.reset()
 
     def reset(self) -> None:
         """Start over for the sequence's next token (the engine keeps one tracker per sequence)."""
-        self.survival = 1.0  # ouro_gate: prod_{j<=s} (1 - lambda_j)
         self.exit_at: int | None = None  # the exit depth, once decided
         self.stop_at = self._r_max  # the loop step after which the token leaves the loop
         self.open = self._adaptive  # no decision yet: the next score may decide the exit
 
     def after_step(self, s: int, score: float) -> bool:
-        """Take step s's signal; returns `exits_after(s)`. (`signal` inlined: this runs once per
-        item per core step; the arithmetic is the same expression for expression.)"""
+        """Take step s's signal; returns `exits_after(s)`. This runs once per item per core step:
+        one comparison (the score's arithmetic ran on the device, looplm/exits.py)."""
         if self.open:
             if s >= self._r_max:
                 self.open = False
-            else:
-                k = self._kind
-                if k:  # ouro_gate (2) or learned (1): score = gate logit, lambda = sigmoid(score), computed stably
-                    lam = 1.0 / (1.0 + math.exp(-score)) if score >= 0 else math.exp(score) / (1.0 + math.exp(score))
-                    if k == 2:  # ouro_gate: exit at the first step whose CDF 1 - prod(1 - lambda) reaches q
-                        lam, self.survival = 1.0 - self.survival * (1.0 - lam), self.survival * (1.0 - lam)
-                    fire = lam >= self._thr
-                else:  # kl, latent_diff, entropy_diff (`open` is False for criterion none)
-                    fire = score < self._thr
-                if fire:
-                    depth = s + 1 if self._look else s
-                    if depth >= self._r_min:  # depth <= r_max: s < r_max
-                        self.exit_at = self.stop_at = depth
-                        self.open = False
+            elif (score >= self._thr) if self._prob else (score < self._thr):  # (`open` is False for none)
+                depth = s + 1 if self._look else s
+                if depth >= self._r_min:  # depth <= r_max: s < r_max
+                    self.exit_at = self.stop_at = depth
+                    self.open = False
         return s >= self.stop_at
 
     def exits_after(self, s: int) -> bool:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kv_layouts import make_layout
 from looplm import ExitPolicy, ExitTracker, tiny_model
+from looplm.exits import step_scores
 from infer.engine.reference import reference_generate
 
 ARCHS = ["ouro-tiny", "huginn-tiny"]
@@ -121,8 +122,12 @@ def test_exit_tracker_rules(seed):
 def test_ouro_gate_cdf():
     p = ExitPolicy("ouro_gate", 0.7, 1, 4)
     t = ExitTracker(p)
-    # lambda = 0.5 each step: CDF 0.5, 0.75 -> exits after step 2
-    assert not t.after_step(1, 0.0) and t.after_step(2, 0.0)
+    # gate logit 0 (lambda = 0.5) at each step: CDF 0.5, 0.75 -> exits after step 2
+    g = torch.zeros(1, dtype=torch.float64)
+    c1, surv = step_scores("ouro_gate", None, None, g, None, None)
+    c2, _ = step_scores("ouro_gate", None, None, g, None, surv)
+    assert c1.tolist() == [0.5] and c2.tolist() == [0.75]
+    assert not t.after_step(1, c1.item()) and t.after_step(2, c2.item())
 
 
 @pytest.mark.parametrize("name", ARCHS)

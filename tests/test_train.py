@@ -13,6 +13,7 @@ import torch
 
 from kv_layouts import make_layout
 from looplm import ExitPolicy, ExitTracker, load_pretrained, save_pretrained, tiny_model
+from looplm.exits import step_scores
 from infer.engine import stages
 from infer.engine.reference import reference_generate
 from infer.engine.stages import TokenBatch
@@ -35,9 +36,14 @@ def test_exit_depths_match_tracker(criterion, lookahead, r_min):
         scores = scores.abs()
     pol = ExitPolicy(criterion, 0.6 if gate else 0.08, r_min, S, lookahead)
     got = exit_depths(scores, pol)
+    # the engine's scores: the gate criteria's probabilities come from the device (looplm/exits.py)
+    dev, aux = [], None
+    for s in range(S):
+        sc, aux = step_scores(criterion, None, None, scores[s], None, aux) if gate else (scores[s], None)
+        dev.append(sc)
     for i in range(N):
         tr = ExitTracker(pol)
-        d = next(s for s in range(1, S + 1) if tr.after_step(s, float(scores[s - 1, i])))
+        d = next(s for s in range(1, S + 1) if tr.after_step(s, float(dev[s - 1][i])))
         assert got[i] == d
 
 

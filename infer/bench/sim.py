@@ -2,7 +2,7 @@
 instead of the model. `SimRunner` has ModelRunner's methods; each call advances a virtual clock by
 the cost model's time for that stage and batch, and returns tiny tensors: core steps return exit
 scores that make every token leave at a depth drawn from a recorded trace or a distribution (the
-engine runs the "learned" criterion at threshold 0.5, the runner answers +30 / -30).
+engine runs the "learned" criterion at threshold 0.5, the runner answers exit probability 1 / 0).
 
 Two cost models: `FittedCost` (the latency model of infer/latency.py fitted on this machine's
 engine trace) and `RooflineCost` (per stage max(bytes / bandwidth, FLOPs / peak) + a launch
@@ -279,7 +279,8 @@ class SimRunner:
         if work.stage is Stage.PRELUDE:
             return None
         if work.stage is Stage.CORE:
-            return _Scores([30.0 if self._fires(s) else -30.0 for s in seqs])
+            # the "learned" criterion's score is an exit probability (looplm/exits.py)
+            return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs])
         return torch.tensor([[0.0, 1.0]]).expand(n + len(work.finals), 2)  # logits: every token is id 1
 
     def _fires(self, s: Sequence) -> bool:

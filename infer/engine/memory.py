@@ -31,7 +31,7 @@ log = logging.getLogger("infer.engine")
 def state_slot_bytes(model: LoopedLM, criterion: str) -> int:
     """Bytes of one state slot: loop state (+ injection for Huginn) + exit-criterion memory."""
     cfg, elt = model.cfg, torch.empty((), dtype=model.dtype).element_size()
-    aux = {"kl": cfg.vocab_size * 8, "entropy_diff": 8}.get(criterion, 0)  # float64, see looplm/exits.py
+    aux = {"kl": cfg.vocab_size * 8, "entropy_diff": 8, "ouro_gate": 8}.get(criterion, 0)  # float64, see looplm/exits.py
     return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1) + aux
 
 
