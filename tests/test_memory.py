@@ -215,6 +215,7 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
         assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
         for s in holders:
             assert len(s.blocks) * 4 >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
+            assert s.room == len(s.blocks) * 4 - len(s.prompt_ids)  # Sequence.room follows every table change
         steps += 1
         assert steps < 100000, "deadlock"
         if work is None:
@@ -222,7 +223,7 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
         if work.stage is Stage.PREFILL:
             admitted += [s.seq_id for s in work.seqs]
         if work.stage is Stage.CORE:
-            sch.postprocess(work, scores=FakeScores([rng.choice([-30.0, 30.0]) for _ in work.seqs]))
+            sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
         elif work.stage.emits:
             fin = {}
             for s in work.seqs:

@@ -323,6 +323,8 @@ def check_blocks(sch, bm):
     assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
     for s in sch._holders():
         assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
+    for s in holders:  # Sequence.room follows every table change
+        assert s.room == len(s.blocks) * bm.block_size - len(s.prompt_ids)
 
 
 # (policy, refill, pipelined lookahead, max batch, reserve_kv) per seed
@@ -368,7 +370,7 @@ def test_scheduler_invariants_with_sharing(seed):
             continue
         runner.run(work)
         if work.stage is Stage.CORE:
-            sch.postprocess(work, scores=FakeScores([rng.choice([-30.0, 30.0]) for _ in work.seqs]))
+            sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
         elif work.stage.emits:
             fin = {}
             for s in work.seqs + work.finals:

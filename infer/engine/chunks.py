@@ -96,6 +96,7 @@ class ChunkQueues:
                 if not self.blocks.can_allocate(need, keep_free(len(out)), hits):
                     break  # FIFO: the head waits for memory, nobody overtakes it
                 s.blocks, s.slot = self.blocks.allocate(need, hits)
+                s.fit_blocks(self.blocks.block_size)
                 s.prefilled = len(hits) * self.blocks.block_size
                 if self.caching and s.params.prompt_logprobs is None:
                     self.counters["prefix_cache_queries"] += len(s.prompt_ids)

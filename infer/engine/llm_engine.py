@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -26,6 +27,7 @@ from .scheduler import Scheduler, Work
 from .sequence import Sequence, Stage
 
 
+_step = attrgetter("step")
 STAGE_NAMES = {s: s.value for s in Stage}  # (Enum.value is a descriptor call: this runs once per stage)
 EMITS = frozenset(s for s in Stage if s.emits)
 
@@ -95,6 +97,7 @@ class LLMEngine:
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=graphs)
         self.sampler = Sampler(c.seed, model.device)
         self._detok: dict[int, IncrementalDetokenizer] = {}  # by seq_id, while a request decodes
+        self._sampling: set[int] = set()  # seq_ids of the unfinished requests that sample (Sequence.sampled)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -159,6 +162,8 @@ class LLMEngine:
         seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                       else self.config.seed * 1_000_003 + seq.seq_id)
         self.seqs[rid] = seq
+        if seq.sampled:
+            self._sampling.add(seq.seq_id)
         self.scheduler.add(seq)
         return seq
 
@@ -168,6 +173,7 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq, "abort")
             self._detok.pop(seq.seq_id, None)
+            self._sampling.discard(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -189,7 +195,10 @@ class LLMEngine:
         stage = work.stage
         emits = stage in EMITS
         if emits:
-            self.scheduler.postprocess(work, finished=self._emit(work, out))
+            finished = self._emit(work, out)
+            self.scheduler.postprocess(work, finished=finished)
+            if finished and self._sampling:
+                self._sampling.difference_update(finished)
         else:
             self.scheduler.postprocess(work, scores=out)
         calls = self.stats["stage_calls"]
@@ -210,35 +219,36 @@ class LLMEngine:
         its depth and the length / stop-id checks (`Sequence.simple`) takes a call-free path: this
         loop runs once per item per coda."""
         seqs = work.seqs + work.finals  # finals: prompt chunks whose first token this launch samples
-        chosen = self.sampler(logits, seqs)  # one batched call, one device-to-host copy
+        chosen = self.sampler(logits, seqs, bool(self._sampling))  # one batched call, one device-to-host copy
         now = time.perf_counter()
         n_decode = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # the prefill's tokens: full depth
         fused = work.r_max if work.stage is Stage.FUSED else 0
         finished: dict[int, str] = {}
-        depth_sum = 0
-        slow = []
-        for i, (s, tok) in enumerate(zip(work.seqs if n_decode else (), chosen)):
-            d = fused or s.step
-            depth_sum += d
+        decode = work.seqs if n_decode else ()
+        other = False  # a decode item that is not `simple`: it goes through _emit_one below
+        for s, tok in zip(decode, chosen):
             if s.simple:
                 out = s.output_ids
                 out.append(tok)
-                s.exit_depths.append(d)
+                s.exit_depths.append(fused or s.step)
                 s.token_times.append(now)
                 if tok in s.stop_ids or len(out) >= s.max_out:
                     finished[s.seq_id] = "stop" if tok in s.stop_ids else "length"
                     s.finish_time = now
             else:
-                slow.append((i, d))
+                other = True
+        # (row, exit depth) of every other row; the first tokens of prompt chunks come from full depth
+        slow = [(i, fused or s.step) for i, s in enumerate(decode) if not s.simple] if other else []
         r_full = self.model.cfg.r_max
-        slow += ((i, r_full) for i in range(n_decode, len(seqs)))  # first tokens: full depth
+        slow += ((i, r_full) for i in range(n_decode, len(seqs)))
         if slow:
             need_lp = any(seqs[i].params.logprobs for i, _ in slow)
             logp = torch.log_softmax(logits.double(), -1) if need_lp else None
             for i, d in slow:
                 chosen[i] = self._emit_one(seqs[i], chosen[i], d, i, logp, now, finished)
         self.stats["tokens"] += n_decode  # the prefill's full-depth token stays out of the mean exit depth
-        self.stats["depth_sum"] += depth_sum
+        if n_decode:  # (summed in C, not in the loop above)
+            self.stats["depth_sum"] += fused * n_decode if fused else sum(map(_step, work.seqs))
         return finished
 
     def _emit_one(self, s: Sequence, tok: int, d: int, i: int, logp: torch.Tensor | None, now: float,

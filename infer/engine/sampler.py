@@ -46,10 +46,12 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device):
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The next token of each row of `logits` [n, V] (teacher-forced rows: the argmax)."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], maybe_sampled: bool = True) -> list[int]:
+        """The next token of each row of `logits` [n, V] (teacher-forced rows: the argmax).
+        `maybe_sampled=False`: the caller knows that no row samples (the engine counts the running
+        requests that do), which spares a pass over the batch (~9 us at batch 256)."""
         greedy = logits.argmax(-1)
-        if not any(map(_sampled, seqs)):
+        if not maybe_sampled or not any(map(_sampled, seqs)):
             return greedy.tolist()
         free = [i for i, s in enumerate(seqs) if s.sampled]
         seeded = [i for i in free if seqs[i].params.seed is not None]

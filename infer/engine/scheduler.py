@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from looplm.policy import ExitTracker
@@ -50,6 +51,9 @@ from .sequence import Sequence, Stage
 
 if TYPE_CHECKING:
     from .config import EngineConfig
+
+
+_seq_id = attrgetter("seq_id")
 
 
 class Scores(Protocol):
@@ -251,6 +255,7 @@ class Scheduler:
             if not self.blocks.can_allocate(need, self._keep_free(len(batch))):
                 break  # FIFO: the head waits for memory, nobody overtakes it
             seq.blocks, seq.slot = self.blocks.allocate(need)
+            seq.fit_blocks(self.blocks.block_size)
             batch.append(self.waiting.popleft())
             tokens += n
         self.changed += batch
@@ -287,17 +292,17 @@ class Scheduler:
                     if s.seq_id in finished:
                         self.finish(s, finished[s.seq_id])
                 going = [s for s in going if s.seq_id not in finished]
-            pre, B = Stage.PRELUDE, self.blocks.block_size
+            pre = Stage.PRELUDE
             # the block of the next token's row, oldest first (it keeps its memory); only a sequence
             # whose next row falls past its last block needs one (one token in block_size)
             need = []
             for s in going:
                 s.stage = pre
-                if len(s.prompt_ids) + len(s.output_ids) > len(s.blocks) * B:
+                if len(s.output_ids) > s.room:
                     need.append(s)
             self.prelude_q += going
             if need:
-                need.sort(key=lambda s: s.seq_id)
+                need.sort(key=_seq_id)
                 for s in need:
                     if s.slot >= 0:  # not preempted for an older one meanwhile
                         self._grow(s)
@@ -357,7 +362,7 @@ class Scheduler:
     def _grow(self, s: Sequence) -> None:
         """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
         recently admitted running sequences (possibly `s` itself) until one is free."""
-        while not self.blocks.grow(s.blocks, s.position + 1):
+        while not self.blocks.grow(s.blocks, len(s.prompt_ids) + len(s.output_ids)):  # position + 1 rows
             victim = max(self._holders(), key=lambda x: x.seq_id)
             others_run = any(x is not victim for x in self.prelude_q + self.core_q + self.coda_q if x is not s)
             if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
@@ -370,6 +375,7 @@ class Scheduler:
             self._swap_out(victim)
             if victim is s:
                 return
+        s.fit_blocks(self.blocks.block_size)
         self.grown.append(s)
 
     def _holders(self) -> list[Sequence]:
@@ -397,6 +403,7 @@ class Scheduler:
         for s in list(self.stalled):
             if not self.blocks.grow(s.blocks, s.position + 1):
                 break
+            s.fit_blocks(self.blocks.block_size)
             self.stalled.remove(s)
             self.prelude_q.append(s)
             self.changed.append(s)
@@ -405,6 +412,7 @@ class Scheduler:
             if not self.blocks.can_allocate(s.position + 1, self._keep_free(0)):
                 break
             s.blocks, s.slot = self.blocks.allocate(s.position + 1)
+            s.fit_blocks(self.blocks.block_size)
             self.swapped.pop(0)
             self.swap_ops.append(SwapOp("in", s, s.blocks, s.slot))
             self.changed.append(s)

@@ -56,6 +56,10 @@ class Sequence:
     stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
     finish_reason: str | None = None
     blocks: list[int] = field(default_factory=list)  # KV block table
+    # output tokens whose KV rows the block table holds (len(blocks) * block_size - prompt length):
+    # set by `fit_blocks` wherever the scheduler gives the table blocks, so that the growth check
+    # after each token is one comparison instead of three lengths (scheduler.postprocess)
+    room: int = 0
     slot: int = -1  # row of the runner's per-sequence state buffers
     step: int = 0  # loop steps done by the current decode token (or by the prompt chunk in flight)
     prefilled: int = 0  # mixed prefill: prompt positions whose KV is complete (chunks.py)
@@ -96,6 +100,10 @@ class Sequence:
     def started(self) -> bool:
         """Admitted (prefilled or being prefilled): it holds KV memory and a state slot."""
         return self.slot >= 0 or bool(self.output_ids)
+
+    def fit_blocks(self, block_size: int) -> None:
+        """Recompute `room` after the block table got blocks (allocated or grown)."""
+        self.room = len(self.blocks) * block_size - len(self.prompt_ids)
 
     def reserved_tokens(self, max_position: int) -> int:
         """KV rows the request can ever use: prompt + outputs, capped by the context."""
