@@ -38,6 +38,33 @@ def test_seeded_request_ignores_its_batch_mates():
     assert any(o.params.temperature > 0 for o in others)
 
 
+def test_sampler_knows_the_sampling_rows_after_finishes_and_aborts():
+    """The engine tells the sampler when no running request samples (its fast path); a sampling
+    request that arrives after others finished or were aborted is still sampled."""
+    m = model()
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
+    alone = LLMEngine(m, EngineConfig(exit_threshold=0.55))
+    a = alone.add_request([5, 6, 7], seeded)
+    g = alone.add_request([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    while alone.has_unfinished():
+        alone.step()
+    assert a.output_ids != g.output_ids  # else this test could not tell sampled from greedy rows
+    eng = LLMEngine(m, EngineConfig(exit_threshold=0.55, max_batch_size=8))
+    greedy = [eng.add_request([9, 10 + i], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(3)]
+    short = eng.add_request([4], SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True))
+    gone = eng.add_request([4, 4], SamplingParams(max_tokens=9, temperature=0.7, ignore_eos=True))
+    for _ in range(12):
+        eng.step()
+    eng.abort(gone.request_id)
+    while not short.finished:
+        eng.step()
+    assert not eng._sampling and not any(s.finished for s in greedy)
+    b = eng.add_request([5, 6, 7], seeded)
+    while eng.has_unfinished():
+        eng.step()
+    assert b.output_ids == a.output_ids and not eng._sampling
+
+
 def test_batched_sampling_filters():
     g = torch.Generator().manual_seed(SEED)
     logits = torch.randn(6, 50, generator=g, dtype=torch.float64)
