@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from looplm.exits import step_scores
 from looplm.policy import ExitPolicy
 from looplm.model import AttendFor, LoopedLM, plain_attend_for
 
@@ -174,12 +175,12 @@ def exit_depths(scores: torch.Tensor, policy: ExitPolicy) -> torch.Tensor:
     if not policy.adaptive:
         return torch.full(scores.shape[1:], r_max, dtype=torch.long)
     q = policy.threshold
-    if policy.criterion == "ouro_gate":
-        lam = torch.sigmoid(scores.double())
-        cdf = 1.0 - torch.cumprod(1.0 - lam, dim=0)
-        sig = cdf >= q
-    elif policy.criterion == "learned":
-        sig = torch.sigmoid(scores.double()) >= q
+    if policy.criterion in ("ouro_gate", "learned"):  # the engine's exit probabilities, step by step
+        probs, aux = [], None
+        for g in scores:
+            p, aux = step_scores(policy.criterion, None, None, g, None, aux)
+            probs.append(p)
+        sig = torch.stack(probs) >= q
     else:
         sig = scores < q
     step = torch.arange(1, S + 1).view(S, *([1] * (scores.dim() - 1)))

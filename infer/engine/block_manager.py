@@ -83,11 +83,10 @@ class BlockManager:
     def grow(self, blocks: list[int], tokens: int) -> bool:
         """Extend the block table `blocks` in place to hold `tokens` rows; False (and no change)
         when not enough blocks are free."""
-        # (blocks_for and num_free inlined: a decode sequence grows once per block_size tokens)
-        n = -(-tokens // self.block_size) - len(blocks)
+        n = self.blocks_for(tokens) - len(blocks)
         if n <= 0:
             return True
-        if n > len(self.free_blocks) + len(self.cached):
+        if n > self.num_free:
             return False
         for _ in range(n):  # (decode grows one block at a time: a plain loop, no generator to build)
             blocks.append(self._take())

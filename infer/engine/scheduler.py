@@ -362,7 +362,7 @@ class Scheduler:
     def _grow(self, s: Sequence) -> None:
         """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
         recently admitted running sequences (possibly `s` itself) until one is free."""
-        while not self.blocks.grow(s.blocks, len(s.prompt_ids) + len(s.output_ids)):  # position + 1 rows
+        while not self.blocks.grow(s.blocks, s.num_tokens):  # the rows of positions 0..position
             victim = max(self._holders(), key=lambda x: x.seq_id)
             others_run = any(x is not victim for x in self.prelude_q + self.core_q + self.coda_q if x is not s)
             if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
