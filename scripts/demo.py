@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 "command": "python -m scripts.demo " + " ".join(argv if argv is not None else sys.argv[1:])}
         paths = write_outputs(blocks, meta, a.out, name)
         # the exit policy as the engine resolved it (checkpoint defaults + the settings above)
-        ec = next(r["engine_config"] for r in blocks[0]["results"] if not r["engine_config"]["exits_disabled"])
+        ec = next(r["engine_config"] for r in blocks[0]["results"] if not r["engine_config"]["full_depth"])
         reports.append((src, note, f"{model.cfg.name}; {ec['kv_layout']}; exits: {ec['exit_criterion']} "
                                    f"q={ec['exit_threshold']}", tok is not None, blocks, paths))
     bar.close()

@@ -87,9 +87,9 @@ def test_latency_sweep_runs():
 
 # ---------------------------------------------------------------------------------- workloads
 def test_workloads_deterministic_scaled_clamped():
-    a = workloads.make_requests("sharegpt", 20, seed=3, scale=0.1, max_position=64, vocab_size=50)
-    b = workloads.make_requests("sharegpt", 20, seed=3, scale=0.1, max_position=64, vocab_size=50)
-    c = workloads.make_requests("sharegpt", 20, seed=4, scale=0.1, max_position=64, vocab_size=50)
+    a = workloads.make_requests("sharegpt", 20, seed=3, scale=0.1, max_model_len=64, vocab_size=50)
+    b = workloads.make_requests("sharegpt", 20, seed=3, scale=0.1, max_model_len=64, vocab_size=50)
+    c = workloads.make_requests("sharegpt", 20, seed=4, scale=0.1, max_model_len=64, vocab_size=50)
     assert a == b and a != c
     for r in a:
         assert 1 <= r.prompt_len and 1 <= r.output_len and r.prompt_len + r.output_len <= 64
@@ -115,7 +115,7 @@ class ByteTokenizer:
 
 
 def test_workload_prompts_are_real_text_with_a_tokenizer():
-    reqs = workloads.make_requests("alpaca", 8, seed=0, max_position=256, tokenizer=ByteTokenizer())
+    reqs = workloads.make_requests("alpaca", 8, seed=0, max_model_len=256, tokenizer=ByteTokenizer())
     for r in reqs:
         clamped = workloads.scaled_lengths(r.trace_prompt_len, r.trace_output_len, 1.0, 256)[2]
         assert r.prompt_len >= 1 and (clamped or r.prompt_len == r.trace_prompt_len)
@@ -137,6 +137,7 @@ def bench_json(tmp_path_factory):
     return out, json.loads((out / "bench_ouro-tiny.json").read_text())
 
 
+@pytest.mark.slow  # its fixture runs the whole offline bench (~10 s)
 def test_bench_json_has_every_field(bench_json):
     out, data = bench_json
     assert (out / "bench_ouro-tiny.png").stat().st_size > 1000
@@ -148,7 +149,7 @@ def test_bench_json_has_every_field(bench_json):
             assert k in r and r[k] is not None, k
         assert r["output_tokens"] == blk["workload"]["output_tokens"]  # same lengths for every policy
         # the timed pass's own prefix-cache lookups (the warm-up's are not counted, its cache is reset)
-        on = r["engine_config"]["prefix_caching_enabled"]
+        on = r["engine_config"]["enable_prefix_caching"]
         assert r["prefix_cache"]["queries"] == (blk["workload"]["prompt_tokens"] if on else 0)
     cb = blk["results"][0]
     assert cb["speedup_vs_cb"] == 1.0 and cb["s_e2e"] == 1.0 and cb["mean_exit_depth"] == 4
@@ -179,7 +180,7 @@ def test_sim_with_fitted_cost_reproduces_a_measured_run():
     steps, batches, contexts and exit depths) and charges exactly the cost model for each step."""
     from infer.engine.llm import load_model
     m, _ = load_model("huginn-tiny")
-    reqs = workloads.make_requests("alpaca", 6, seed=1, scale=0.3, max_position=m.cfg.max_position, vocab_size=256)
+    reqs = workloads.make_requests("alpaca", 6, seed=1, scale=0.3, max_model_len=m.cfg.max_position, vocab_size=256)
     base = dict(max_batch_size=4, exit_threshold=0.5)
     for mode in bench.modes_for([2], full_depth=False)[2:]:  # cdb no-refill and refill (after cb, cb_separate)
         bench.run_mode(m, None, reqs[:2], mode, base, keep_trace=False)
@@ -203,7 +204,7 @@ def test_sim_depths_and_lookahead():
     cfg = paper_config("ouro-1.4b")
     probs = sim.binomial_depths(4, 2.5)
     assert sum(probs.values()) == pytest.approx(1) and sum(d * p for d, p in probs.items()) == pytest.approx(2.5)
-    reqs = workloads.make_requests("alpaca", 6, seed=0, scale=0.5, max_position=cfg.max_position, vocab_size=100)
+    reqs = workloads.make_requests("alpaca", 6, seed=0, scale=0.5, max_model_len=cfg.max_position, vocab_size=100)
     depths = sim.depths_from_distribution(probs, reqs, seed=0)
     cost = sim.RooflineCost(cfg)
     mode = {"name": "cdb_refill_k1", "policy": "cdb", "refill": True, "min_coda_batch": 1}
@@ -215,7 +216,7 @@ def test_sim_depths_and_lookahead():
 
 def test_sim_h100_roofline_orders_the_modes():
     cfg = paper_config("ouro-1.4b")
-    reqs = workloads.make_requests("alpaca", 24, seed=0, max_position=cfg.max_position, vocab_size=100)
+    reqs = workloads.make_requests("alpaca", 24, seed=0, max_model_len=cfg.max_position, vocab_size=100)
     depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
     blk = sim.simulate(cfg, reqs, sim.RooflineCost(cfg), depths, bench.modes_for([1]), workload="alpaca",
                        max_batch_size=16, kv_cache_tokens=sim.h100_kv_tokens(cfg))

@@ -11,12 +11,13 @@ from looplm import ExitPolicy
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 SHIPPED = ("huginn-demo", "ouro-demo", "ouro-demo-sharedkv")  # the README promises these
+LAB = ("lab-hops",)  # the lab's task model (tests/test_lab.py; its own character tokenizer)
 TEXTS = ["The history of the city", "x = 4; y = x + 3; z = y * 2; so z =", "In 1998 the company"]
 
 
 def test_every_shipped_checkpoint_is_present():
     found = sorted(p.name for p in ROOT.iterdir() if (p / "config.json").exists()) if ROOT.exists() else []
-    assert found == sorted(SHIPPED), f"checkpoints/ holds {found}, expected {sorted(SHIPPED)}"
+    assert found == sorted(SHIPPED + LAB), f"checkpoints/ holds {found}, expected {sorted(SHIPPED + LAB)}"
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts `python -m ...`, a console script or lm-eval's CLI
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "checkpoints" / "ouro-demo"
 BIN = Path(sys.executable).parent

@@ -9,17 +9,14 @@ import torch
 
 from infer import EngineConfig, LLMEngine, SamplingParams
 from infer.engine.sampler import sample_batched
-from looplm import tiny_model
+
+from helpers import fresh_model, model, policy, random_requests
 
 SEED = 7  # printed by pytest in the test ids of failures; fixed for reproducibility
 
 
-def model(arch="huginn-tiny"):
-    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3)
-
-
 def test_seeded_request_ignores_its_batch_mates():
-    m = model()
+    m = model("huginn-tiny")
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_k=40, top_p=0.95, seed=11, ignore_eos=True)
     alone = LLMEngine(m, EngineConfig(exit_threshold=0.55))
     a = alone.add_request([5, 6, 7], seeded)
@@ -41,7 +38,7 @@ def test_seeded_request_ignores_its_batch_mates():
 def test_sampler_knows_the_sampling_rows_after_finishes_and_aborts():
     """The engine tells the sampler when no running request samples (its fast path); a sampling
     request that arrives after others finished or were aborted is still sampled."""
-    m = model()
+    m = model("huginn-tiny")
     seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
     alone = LLMEngine(m, EngineConfig(exit_threshold=0.55))
     a = alone.add_request([5, 6, 7], seeded)
@@ -58,11 +55,13 @@ def test_sampler_knows_the_sampling_rows_after_finishes_and_aborts():
     eng.abort(gone.request_id)
     while not short.finished:
         eng.step()
-    assert not eng._sampling and not any(s.finished for s in greedy)
+    eng.processor.check(eng.seqs.values())
+    assert not eng.processor.sampling and not any(s.finished for s in greedy)
     b = eng.add_request([5, 6, 7], seeded)
     while eng.has_unfinished():
         eng.step()
-    assert b.output_ids == a.output_ids and not eng._sampling
+    eng.processor.check(eng.seqs.values())
+    assert b.output_ids == a.output_ids and not eng.processor.sampling
 
 
 def test_batched_sampling_filters():
@@ -112,7 +111,7 @@ def test_incremental_detokenizer_equals_full_decode(tokenizer):
 
 
 def test_engine_text_and_stop_strings_match_full_decode(tokenizer):
-    m = tiny_model("ouro-tiny", dtype=torch.float64, std=0.15, seed=3, vocab_size=len(tokenizer))
+    m = fresh_model("ouro-tiny", vocab_size=len(tokenizer))
     eng = LLMEngine(m, EngineConfig(exit_threshold=0.55, max_batch_size=4), tokenizer=tokenizer)
     free = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True))
     while eng.has_unfinished():
@@ -135,12 +134,10 @@ def test_paged_attention_equals_reference(arch, layout, mode):
     """Decode attention through the block tables (eager FlexAttention on CPU) gives the reference
     decoder's tokens and depths in float64, with blocks that grow between stages."""
     from infer.engine.reference import reference_generate
-    from looplm import ExitPolicy
     m = model(arch)
-    rng = random.Random(SEED)
-    reqs = [([rng.randrange(3, 256) for _ in range(rng.randint(1, 9))], rng.randint(2, 8)) for _ in range(4)]
+    reqs = random_requests(SEED, n=4, prompt_len=(1, 9), max_new=(2, 8), low=3)
     full = mode["policy"] == "cb"
-    pol = ExitPolicy.from_config(m.cfg, threshold=0.55, full_depth=full)
+    pol = policy(arch, full=full)
     refs = [reference_generate(m, p, n, pol, kv_layout=layout) for p, n in reqs]
     eng = LLMEngine(m, EngineConfig(kv_layout=layout, exit_threshold=0.55, max_batch_size=3, block_size=4,
                                     kv_cache_tokens=64, **mode))

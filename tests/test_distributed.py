@@ -166,6 +166,7 @@ def metrics(url: str) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_single_server_path_does_not_import_ray():
     code = "import sys, infer.serving.cli as c; c.parser(); assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
@@ -188,6 +189,7 @@ def test_aggregate_metrics_sums_counters_and_weights_depth():
     assert got.count("# TYPE cdb_generation_tokens_total") == 1
 
 
+@pytest.mark.slow
 def test_two_replicas_equal_the_single_server(replicas, single):
     want = asyncio.run(many(single, 24))
     got = asyncio.run(many(replicas, 24, streams=8))  # 8 of the 32 streamed (SSE through the ingress)
@@ -210,6 +212,7 @@ def settled(url: str) -> float:
     raise AssertionError("metrics did not settle")
 
 
+@pytest.mark.slow
 def test_metrics_are_summed_over_replicas(replicas):
     before = settled(replicas)
     got = asyncio.run(many(replicas, 8))
@@ -221,6 +224,7 @@ def test_metrics_are_summed_over_replicas(replicas):
     assert m["cdb_replicas"] == 2
 
 
+@pytest.mark.slow
 def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     want = asyncio.run(many(single, 48))
     before = replica_pids()
@@ -252,16 +256,24 @@ def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     retried = [r for r in got if "x-looplm-retried" in r["headers"]]
     assert retried, "the killed replica held requests: they must have been retried"
     assert all(not r["headers"]["x-looplm-replica"].endswith(f":{before[0]}") for r in retried)
-    # replaced: two replicas again (a new process) reporting metrics, and serving, within 30 s
-    while not (len(now := replica_pids()) == 2 and before[0] not in now and metrics(replicas)["cdb_replicas"] == 2):
-        assert time.monotonic() - t_kill < 30, f"not recovered: replicas {now}"
+    # replaced: two replicas again, one of them a new process, both reporting metrics and both serving
+    for _ in range(360):  # polled every 0.5 s; the bound only stops a hung cluster from hanging the suite
+        if len(now := replica_pids()) == 2 and before[0] not in now and metrics(replicas)["cdb_replicas"] == 2:
+            break
         time.sleep(0.5)
-    again = asyncio.run(many(replicas, 4))
+    else:
+        pytest.fail(f"not recovered: replicas {now}")
+    (new,) = set(now) - set(before)
+    again = asyncio.run(many(replicas, 24))  # the load under which both replicas serve (test above)
     assert all(r["status"] == 200 for r in again)
+    served_by = {r["headers"]["x-looplm-replica"] for r in again}
+    assert len(served_by) == 2 and any(h.endswith(f":{new}") for h in served_by), served_by  # the new one serves
+    assert not any(h.endswith(f":{before[0]}") for h in served_by)
     print(f"recovered {time.monotonic() - t_kill:.1f} s after the kill; {len(retried)} requests retried, "
           f"{len(cut)} streams cut")
 
 
+@pytest.mark.slow
 def test_sweep_on_ray_equals_sequential(tmp_path, ray_tmp):
     from eval import sweep
 

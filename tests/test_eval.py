@@ -84,6 +84,7 @@ def test_full_depth_reports_r_max(tiny):
     assert lm.depth_stats()["looped_cloze"]["exit_depth"] == model.cfg.r_max
 
 
+@pytest.mark.slow
 def test_cli_evaluates_local_task(tiny, tmp_path):
     folder, _, _ = tiny
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -158,6 +159,7 @@ def test_generate_until_stops_and_caps(tiny):
 
 
 # ---------------------------------------------------------------- sweeps
+@pytest.mark.slow  # two sweep points, each an lm-eval run and a bench (~10 s)
 def test_sweep_two_points_writes_csv_wandb_and_plots(tiny, tmp_path):
     _, model, tok = tiny
     spec = yaml.safe_load((ROOT / "eval" / "sweeps" / "smoke.yaml").read_text())

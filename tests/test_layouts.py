@@ -10,7 +10,7 @@ from looplm import ExitPolicy, ExitTracker, tiny_model
 from looplm.exits import step_scores
 from infer.engine.reference import reference_generate
 
-ARCHS = ["ouro-tiny", "huginn-tiny"]
+from helpers import ARCHS, model
 
 
 def explicit_logits(model, ids, depths):
@@ -48,7 +48,7 @@ def explicit_logits(model, ids, depths):
 @pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_last_exited_equals_explicit_recomputation(name, lookahead):
-    m = tiny_model(name, dtype=torch.float64, std=0.15, seed=3)
+    m = model(name)
     policy = ExitPolicy.from_config(m.cfg, threshold=0.55, lookahead=lookahead)
     prompt = [3, 14, 15, 92, 65, 35]
     g = reference_generate(m, prompt, 16, policy, kv_layout="last_exited")

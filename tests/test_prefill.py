@@ -3,77 +3,38 @@ prompts give the whole-prefill numbers (tokens, exit depths, log-probs) in float
 reference decoder and the separate-prefill engine, for every policy x layout (chunking only where
 exact) x lookahead x batch size, with staggered arrivals and prompts longer than the token budget;
 plus the admission rule (budget, FIFO), the shared-layout refusal, prompt log-probs and aborts."""
-import functools
-import itertools
 import random
-import zlib
 
 import pytest
-import torch
 
 from infer import EngineConfig, LLMEngine, SamplingParams
-from infer.engine.reference import reference_generate
-from looplm import ExitPolicy, ParamError, tiny_model
+from looplm import ParamError
 
-ARCHS = ["ouro-tiny", "huginn-tiny"]
-MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
-         "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
-         "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
-LAYOUTS = ["last_exited", "shared", "full_depth"]
-THRESHOLD = 0.55
+from helpers import ARCHS, MODES, THRESHOLD, engine_settings, grid, model, random_requests, reference, \
+    run_staggered, stable_seed
+
 BUDGET = 12  # tokens per launch: most prompts below are longer, so they are chunked
+SHAPE = dict(prompt_len=(1, 40), max_new=(1, 8))  # prompts of 1..40 tokens (most longer than BUDGET)
+CASES = grid(MODES, archs=ARCHS)
 
 
-@functools.lru_cache(maxsize=None)
-def model(arch):
-    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3)
-
-
-def workload(seed, n=6):
-    """Prompts of 1..40 tokens (most longer than BUDGET), 1..8 new tokens."""
-    rng = random.Random(seed)
-    return [([rng.randrange(1, 256) for _ in range(rng.randint(1, 40))], rng.randint(1, 8)) for _ in range(n)]
-
-
-@functools.lru_cache(maxsize=None)
-def reference(arch, layout, lookahead, full, seed):
-    m = model(arch)
-    pol = ExitPolicy.from_config(m.cfg, threshold=THRESHOLD, lookahead=lookahead, full_depth=full)
-    return [reference_generate(m, p, n, pol, kv_layout=layout) for p, n in workload(seed)]
-
-
-def run_staggered(engine, reqs, seed):
-    rng = random.Random(seed)
-    pending, seqs, steps = list(enumerate(reqs)), {}, 0
-    while pending or engine.has_unfinished():
-        if pending and (not engine.has_unfinished() or rng.random() < 0.3):
-            for _ in range(rng.randint(1, 3)):
-                if pending:
-                    i, (p, n) = pending.pop(0)
-                    seqs[i] = engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True))
-        engine.step()
-        steps += 1
-        assert steps < 10000, "engine made no progress"
-    return [engine.output(seqs[i]) for i in range(len(reqs))]
-
-
-CASES = [(a, m, lay, la) for a, m, lay, la in itertools.product(ARCHS, MODES, LAYOUTS, [False, True])
-         if not (m == "cb" and (la or lay == "full_depth")) and not (lay == "full_depth" and la)]
+def outputs(eng, reqs, seed):
+    """Staggered arrivals (join 0.3, bursts of 1..3), log-probs on; RequestOutputs in input order."""
+    return [eng.output(s) for s in run_staggered(eng, reqs, seed, join=0.3)]
 
 
 @pytest.mark.parametrize("arch,mode,layout,lookahead", CASES)
 @pytest.mark.parametrize("max_batch", [2, 8])
 def test_mixed_prefill_equals_reference(arch, mode, layout, lookahead, max_batch):
-    seed = zlib.crc32(f"prefill/{arch}/{mode}/{layout}/{lookahead}/{max_batch}".encode()) % 1000
+    seed = stable_seed("prefill", arch, mode, layout, lookahead, max_batch)
     print(f"arrival seed {seed}, workload seed {seed % 3}")
     full = mode == "cb" or layout == "full_depth"
-    refs = reference(arch, layout, lookahead, full, seed % 3)
+    refs = reference(arch, layout, lookahead, full, seed % 3, **SHAPE)
     pipeline = lookahead and mode != "cb" and max_batch == 8
-    cfg = EngineConfig(kv_layout=layout, max_batch_size=max_batch, exit_threshold=THRESHOLD, lookahead=lookahead,
-                       max_prefill_tokens=BUDGET, kv_cache_tokens=1024, pipeline=pipeline, trace=True,
-                       **MODES[mode])
+    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=BUDGET, kv_cache_tokens=1024, trace=True,
+                       **engine_settings(mode, layout, lookahead, pipeline=pipeline))
     eng = LLMEngine(model(arch), cfg)
-    outs = run_staggered(eng, workload(seed % 3), seed)
+    outs = outputs(eng, random_requests(seed % 3, **SHAPE), seed)
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.token_ids == r.token_ids, f"request {i}"
         assert o.exit_depths == r.exit_depths, f"request {i}"
@@ -83,8 +44,8 @@ def test_mixed_prefill_equals_reference(arch, mode, layout, lookahead, max_batch
     chunked = [row for row in eng.trace if row["prompt_tokens"]]
     assert chunked, "no prompt rode in a decode launch"
     if layout != "shared":  # prompts longer than the budget were split; shared keeps them whole
-        assert cfg.chunked_prefill is None and eng.config.chunked_prefill_enabled
-        longest = max(len(p) for p, _ in workload(seed % 3))
+        assert cfg.chunked_prefill is None and eng.config.chunked_prefill
+        longest = max(len(p) for p, _ in random_requests(seed % 3, **SHAPE))
         assert max(row["prompt_tokens"] for row in chunked) < longest
 
 
@@ -92,9 +53,8 @@ def test_mixed_prefill_equals_reference(arch, mode, layout, lookahead, max_batch
 def test_mixed_equals_separate_with_logprobs(arch):
     """The same requests, mixed + chunked vs separate whole-prompt prefill: identical tokens and
     depths, log-probs and prompt log-probs (echo) within float64 rounding."""
-    rng = random.Random(7)
     print("seed 7")
-    reqs = [([rng.randrange(1, 256) for _ in range(rng.randint(20, 60))], rng.randint(2, 6)) for _ in range(5)]
+    reqs = random_requests(7, n=5, prompt_len=(20, 60), max_new=(2, 6))
     outs = {}
     for prefill in ("mixed", "separate"):
         eng = LLMEngine(model(arch), EngineConfig(prefill=prefill, max_prefill_tokens=16, max_batch_size=4,
@@ -142,8 +102,8 @@ def test_shared_refuses_explicit_chunking():
     m = model("ouro-tiny")
     with pytest.raises(ParamError, match="chunked_prefill"):
         LLMEngine(m, EngineConfig(chunked_prefill=True, kv_layout="shared"))
-    assert cfg.chunked_prefill_enabled
-    assert not EngineConfig(kv_layout="shared").chunked_prefill_enabled
+    assert cfg.resolve(m.cfg).chunked_prefill
+    assert not EngineConfig(kv_layout="shared").resolve(m.cfg).chunked_prefill
     with pytest.raises(ParamError, match="prefill"):
         EngineConfig(prefill="chunky")
     with pytest.raises(ParamError, match="needs prefill='mixed'"):
@@ -171,14 +131,13 @@ def test_preemption_with_chunks_is_exact(mode):
     """A pool of 12 blocks x 4 tokens, prompts longer than the budget: decode items are swapped out
     and back while other prompts are mid-chunk; outputs equal an ample pool's (float64)."""
     arch = "ouro-tiny" if mode == "norefill" else "huginn-tiny"
-    rng = random.Random(5)
     print("seed 5", arch)
-    reqs = [([rng.randrange(1, 256) for _ in range(rng.randint(6, 20))], rng.randint(6, 12)) for _ in range(6)]
+    reqs = random_requests(5, n=6, prompt_len=(6, 20), max_new=(6, 12))
     base = dict(max_batch_size=8, exit_threshold=THRESHOLD, block_size=4, max_prefill_tokens=12, **MODES[mode])
     outs = []
     for pool in (1024, 48):
         eng = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=pool, watermark=0.0, **base))
-        outs.append((run_staggered(eng, reqs, 5), eng.metrics()))
+        outs.append((outputs(eng, reqs, 5), eng.metrics()))
         assert eng.blocks.all_free
     (want, m0), (got, m) = outs
     assert m0["preemptions"] == 0 and m["preemptions"] >= 1, m

@@ -4,10 +4,8 @@ depths and log-probs (float64, |diff| < 1e-9) equal the engine without caching (
 decoder) for every policy x layout x lookahead with staggered arrivals, with preemption and with
 eviction; the scheduler's bookkeeping (reference counts, the cache map, FIFO, no leak, no
 deadlock) holds under thousands of random steps; the shared layout and separate prefill refuse."""
-import functools
 import itertools
 import random
-import zlib
 
 import pytest
 import torch
@@ -16,23 +14,15 @@ from infer import EngineConfig, LLMEngine, SamplingParams
 from infer.engine.block_manager import BlockManager
 from infer.engine.reference import reference_generate
 from infer.engine.scheduler import Scheduler
-from infer.engine.sequence import Sequence, Stage
+from infer.engine.sequence import Stage
 from infer.serving.async_engine import AsyncEngine
 from infer.serving.metrics import render_metrics
 from looplm import ExitPolicy, ParamError, tiny_model
 
-from staggered import run_staggered  # tests/staggered.py
+from helpers import MODES, THRESHOLD, arrive_or_abort, assert_same, engine_settings, exits_vary, fake_postprocess, \
+    grid, model, policy, run_staggered, stable_seed, triples
 
-MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
-         "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
-         "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
-THRESHOLD = 0.55
 BASE = dict(block_size=4, max_prefill_tokens=12, max_batch_size=8, exit_threshold=THRESHOLD)
-
-
-@functools.lru_cache(maxsize=None)
-def model(arch):
-    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3)
 
 
 def shared_prefix_workload(seed, n=10, max_new=(3, 7)):
@@ -53,27 +43,19 @@ def shared_prefix_workload(seed, n=10, max_new=(3, 7)):
 
 def run(eng, reqs, seed, **params):
     """Staggered arrivals (seeded); returns (tokens, depths, logprobs) per request, input order."""
-    return run_staggered(eng, reqs, seed, join=0.25, burst=2, **params)
+    return triples(run_staggered(eng, reqs, seed, join=0.25, burst=2, **params))
 
 
-def assert_same(want, got):
-    for i, ((t1, d1, l1), (t2, d2, l2)) in enumerate(zip(want, got)):
-        assert t1 == t2 and d1 == d2, f"request {i}"
-        assert max(abs(a - b) for a, b in zip(l1, l2)) < 1e-9, f"request {i}"
-
-
-CASES = [(m, lay, la) for m, lay, la in itertools.product(MODES, ["last_exited", "full_depth"], [False, True])
-         if not (m == "cb" and (la or lay == "full_depth")) and not (lay == "full_depth" and la)]
+CASES = grid(MODES, ["last_exited", "full_depth"])
 
 
 @pytest.mark.parametrize("mode,layout,lookahead", CASES)
 def test_prefix_caching_on_equals_off(mode, layout, lookahead):
-    seed = zlib.crc32(f"prefix/{mode}/{layout}/{lookahead}".encode()) % 1000
+    seed = stable_seed("prefix", mode, layout, lookahead)
     arch = "huginn-tiny" if seed % 2 else "ouro-tiny"
     print("seed", seed, arch)
     reqs = shared_prefix_workload(seed)
-    base = dict(BASE, kv_layout=layout, lookahead=lookahead, pipeline=lookahead and mode != "cb",
-                kv_cache_tokens=1024, **MODES[mode])
+    base = dict(BASE, kv_cache_tokens=1024, **engine_settings(mode, layout, lookahead))
     off = LLMEngine(model(arch), EngineConfig(enable_prefix_caching=False, **base))
     on = LLMEngine(model(arch), EngineConfig(**base))  # on by default here
     want, got = run(off, reqs, seed), run(on, reqs, seed)
@@ -83,13 +65,13 @@ def test_prefix_caching_on_equals_off(mode, layout, lookahead):
     assert on.blocks.all_free and off.blocks.all_free
     if mode in ("cb", "refill_k1"):  # and both equal the sequential reference decoder
         full = mode == "cb" or layout == "full_depth"
-        pol = ExitPolicy.from_config(model(arch).cfg, threshold=THRESHOLD, lookahead=lookahead, full_depth=full)
+        pol = policy(arch, lookahead, full)
         for (p, n), (t, d, lp) in zip(reqs, got):
             r = reference_generate(model(arch), p, n, pol, kv_layout=layout)
             assert t == r.token_ids and d == r.exit_depths
             assert lp == pytest.approx(r.logprobs, abs=1e-9, rel=0)
     if layout != "full_depth" and mode != "cb":
-        assert len({x for _, ds, _ in want for x in ds[1:]}) >= 2  # exits really vary
+        assert exits_vary(want, 2)  # exits really vary
 
 
 def test_hit_is_capped_and_only_the_suffix_is_prefilled():
@@ -121,7 +103,7 @@ def test_hit_is_capped_and_only_the_suffix_is_prefilled():
 def test_prefix_caching_with_preemption_is_exact(mode, lookahead):
     """A pool of 11 blocks x 4 tokens: requests are swapped out and back (shared blocks stay with
     their other holders) while others hit the cache; outputs equal an ample pool without caching."""
-    seed = zlib.crc32(f"prefix-swap/{mode}".encode()) % 1000
+    seed = stable_seed("prefix-swap", mode)
     arch = "ouro-tiny" if mode == "norefill" else "huginn-tiny"
     print("seed", seed, arch)
     reqs = shared_prefix_workload(seed, n=8, max_new=(6, 12))
@@ -229,11 +211,12 @@ def test_shared_layout_would_not_be_exact(monkeypatch):
 
 
 def test_settings_defaults_refusals_and_metrics():
-    assert EngineConfig().prefix_caching_enabled  # last_exited, mixed prefill
-    assert EngineConfig(kv_layout="full_depth").prefix_caching_enabled
-    assert not EngineConfig(kv_layout="shared").prefix_caching_enabled
-    assert not EngineConfig(prefill="separate").prefix_caching_enabled
-    assert not EngineConfig(enable_prefix_caching=False).prefix_caching_enabled
+    tiny = model("ouro-tiny").cfg
+    assert EngineConfig().resolve(tiny).enable_prefix_caching  # last_exited, mixed prefill
+    assert EngineConfig(kv_layout="full_depth").resolve(tiny).enable_prefix_caching
+    assert not EngineConfig(kv_layout="shared").resolve(tiny).enable_prefix_caching
+    assert not EngineConfig(prefill="separate").resolve(tiny).enable_prefix_caching
+    assert not EngineConfig(enable_prefix_caching=False).resolve(tiny).enable_prefix_caching
     with pytest.raises(ParamError, match="not exact with kv_layout='shared'.*final loop step") as e:
         EngineConfig(kv_layout="shared", enable_prefix_caching=True)
     assert e.value.param == "enable_prefix_caching"
@@ -243,9 +226,9 @@ def test_settings_defaults_refusals_and_metrics():
     m_shared = tiny_model("ouro-tiny", dtype=torch.float64, kv_layout="shared")  # a checkpoint naming shared
     with pytest.raises(ParamError, match="enable_prefix_caching"):
         LLMEngine(m_shared, EngineConfig(enable_prefix_caching=True))
-    assert not LLMEngine(m_shared, EngineConfig()).config.prefix_caching_enabled
+    assert not LLMEngine(m_shared, EngineConfig()).config.enable_prefix_caching
     eng = LLMEngine(m, EngineConfig(**BASE, kv_cache_tokens=256))
-    assert eng.config.describe()["prefix_caching_enabled"] is True
+    assert eng.config.describe()["enable_prefix_caching"] is True
     for _ in range(2):
         eng.add_request(list(range(30, 39)), SamplingParams(max_tokens=2))
         while eng.has_unfinished():
@@ -259,14 +242,6 @@ def test_settings_defaults_refusals_and_metrics():
 
 
 # ------------------------------------------------------------------ scheduler alone (pure Python)
-class FakeScores:
-    def __init__(self, xs):
-        self.xs = xs
-
-    def get(self):
-        return self.xs
-
-
 class ContentRunner:
     """A cost-free runner that tracks what every KV row holds: the token prefix of the position
     that wrote it. Each launch writes its items' rows, then checks that every row an item reads
@@ -349,16 +324,9 @@ def test_scheduler_invariants_with_sharing(seed):
     pol = ExitPolicy.from_config(tiny, threshold=0.5, lookahead=pipelined)
     heads = [[rng.randrange(3, 256) for _ in range(rng.randint(4, 14))] for _ in range(3)]
     seqs, admitted, ids, steps, hashes_seen = [], [], itertools.count(), 0, set()
+    prompt = lambda r: r.choice(heads)[:r.randint(1, 14)] + [r.randrange(3, 256) for _ in range(r.randint(0, 6))]  # noqa: E731
     while len(seqs) < 300 or sch.has_work():
-        if len(seqs) < 300 and rng.random() < 0.2:
-            prompt = rng.choice(heads)[:rng.randint(1, 14)] + [rng.randrange(3, 256) for _ in range(rng.randint(0, 6))]
-            s = Sequence(next(ids), str(len(seqs)), prompt, SamplingParams(max_tokens=rng.randint(1, 25)), pol)
-            seqs.append(s)
-            sch.add(s)
-        if seqs and rng.random() < 0.01:
-            v = rng.choice(seqs)
-            if not v.finished:
-                sch.finish(v, "abort")
+        arrive_or_abort(sch, seqs, rng, 300, prompt, (1, 25), pol, ids)
         work = sch.schedule()
         runner.swap(sch.take_swaps())
         admitted += [s.seq_id for s in seqs if s.slot >= 0 and s.seq_id not in admitted]
@@ -369,17 +337,7 @@ def test_scheduler_invariants_with_sharing(seed):
         if work is None:
             continue
         runner.run(work)
-        if work.stage is Stage.CORE:
-            sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
-        elif work.stage.emits:
-            fin = {}
-            for s in work.seqs + work.finals:
-                s.output_ids.append(rng.randrange(3, 256))
-                if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= 64:
-                    fin[s.seq_id] = "length"
-            sch.postprocess(work, finished=fin)
-        else:
-            sch.postprocess(work)
+        fake_postprocess(sch, work, rng, token=lambda r: r.randrange(3, 256), finals=True)
         check_blocks(sch, bm)
     assert all(s.finished for s in seqs) and bm.all_free and not runner.host and not sch.swapped
     assert admitted == sorted(admitted)  # FIFO admission

@@ -143,6 +143,7 @@ def _skv_args(folder, out, steps, extra=()):
             "--lookahead", "--r-min", "2", *extra]
 
 
+@pytest.mark.slow
 def test_shared_kv_two_cpu_ranks(tiny_folder, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -162,6 +163,7 @@ def test_shared_kv_two_cpu_ranks(tiny_folder, tmp_path):
     assert any((p - q).abs().max() > 0 for p, q in zip(m.parameters(), before.parameters())), "nothing trained"
 
 
+@pytest.mark.slow
 def test_shared_kv_resume_after_interruption(tiny_folder, tmp_path):
     run = lambda out, extra=(): subprocess.run([sys.executable, *_skv_args(tiny_folder, out, 4, extra), "--no-wandb"],  # noqa: E731
                                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
@@ -180,6 +182,7 @@ def test_shared_kv_resume_after_interruption(tiny_folder, tmp_path):
         assert torch.equal(p, q), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_pretrain_smoke_and_resume(tmp_path, arch):
     tok = tmp_path / "tok.npy"

@@ -18,6 +18,8 @@ import torch
 from looplm import load_pretrained, save_pretrained, tiny_model
 from looplm.io import load_tokenizer
 
+pytestmark = pytest.mark.slow  # every test here starts `accelerate launch` or `python train/...`
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TOK = REPO / "checkpoints" / "ouro-demo"
 

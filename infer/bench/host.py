@@ -7,7 +7,9 @@ that a GPU would wait on between stages. Batches of 16 / 64 / 256 requests with 
 from the ShareGPT trace (each request is resumed at a random point of its output: prompt + that
 many tokens are prefilled, the rest is decoded) run the CDB refill policy (prelude, core, coda)
 and CB (fused); every engine step is timed, split into the runner's part and the rest (scheduler
-+ engine bookkeeping + sampling).
++ engine bookkeeping + sampling). The serving row (`serving_host_us`) runs the same CDB stages with
+a tokenizer attached, as a server does: every output token is detokenized and checked against
+stop strings.
 
     python -m infer.bench_host --out docs/figures/bench_host.json
 
@@ -91,23 +93,29 @@ def _pct(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "n": len(xs)}
 
 
+# the serving path's stop strings (never found in the output: every request runs to the end)
+SERVING_STOPS = ["\n\nUser:", "</s>", "###"]
+
+
 def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: float = 0.0,
-            count_attention: bool = False) -> dict:
+            count_attention: bool = False, tokenizer=None) -> dict:
     """Time `steps` engine steps of one policy at one batch size (or, with `count_attention`, count
-    the decode attention rows instead: that pass is not timed)."""
+    the decode attention rows instead: that pass is not timed). With a `tokenizer` (the serving
+    path), the engine detokenizes every output token and checks stop strings."""
     ctx = contexts(batch, seed, steps + 2)  # every request outlives the timed steps: full batches
     # prompts in prefill launches of their own: the no-op model has no math for a mixed launch, and
     # the timed steps are pure decode stages either way (every request is admitted before timing)
     cfg = EngineConfig(max_batch_size=batch, max_prefill_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
                        prefill="separate", **policy)
-    eng = LLMEngine(BenchModel(), cfg, runner_cls=NoopRunner)
+    eng = LLMEngine(BenchModel(), cfg, tokenizer=tokenizer, runner_cls=NoopRunner)
     if count_attention:
         eng.runner.attention_stats = {}
     rng = random.Random(seed)
     for c in ctx:
         eng.add_request([rng.randrange(3, 256) for _ in range(c)],
                         SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=temperature,
-                                       seed=rng.randrange(1 << 30) if temperature else None))
+                                       seed=rng.randrange(1 << 30) if temperature else None,
+                                       stop=SERVING_STOPS if tokenizer is not None else []))
     total: dict[str, list[float]] = {}
     runner: dict[str, list[float]] = {}
     run = eng.runner.run
@@ -138,20 +146,24 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
             "attention": attn, "context_mean": sum(ctx) / batch}
 
 
-def detok_bench(n: int = 4000) -> dict:
-    """Seconds to detokenize one n-token output token by token: decoding the whole output at each
-    token (the engine before) vs incrementally (infer/engine/detokenizer.py), with a byte-level
-    BPE trained on the ShareGPT texts, and whether both give the same text."""
+def bench_tokenizer():
+    """A byte-level BPE (2048 tokens) trained on the ShareGPT texts, and those texts."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from infer.engine.detokenizer import IncrementalDetokenizer
     texts = [json.loads(line)["prompt"] for line in (DATA / "sharegpt_text.jsonl").read_text().splitlines()[:400]]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2048, show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False), texts
+
+
+def detok_bench(n: int = 4000, tokenizer=None) -> dict:
+    """Seconds to detokenize one n-token output token by token: decoding the whole output at each
+    token (the engine before) vs incrementally (infer/engine/detokenizer.py), with a byte-level
+    BPE trained on the ShareGPT texts, and whether both give the same text."""
+    from infer.engine.detokenizer import IncrementalDetokenizer
+    fast, texts = tokenizer or bench_tokenizer()
     ids = fast.encode(" ".join(texts))[:n]
     t0 = time.perf_counter()
     for i in range(1, n + 1):
@@ -179,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
                    "with the lowest median (the machine's noise only adds time)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "attention": {}, "context_mean": {},
+    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "serving_host_us": {}, "attention": {},
+                 "context_mean": {},
                  "command": "python -m infer.bench_host " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
                          "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
-                         "lowest median"}
+                         "lowest median; serving_host_us: the same CDB stages with a tokenizer attached (every token "
+                         "detokenized, three stop strings checked)"}
+    tok = bench_tokenizer()
     with torch.inference_mode():
         measure(a.batches[0], CDB, a.steps, a.seed, a.temperature)  # warm-up, discarded
         for b in a.batches:
@@ -197,10 +212,15 @@ def main(argv: list[str] | None = None) -> None:
                     if k not in best or v["median"] < best[k]["median"]:  # the split comes from the same pass
                         for key in ("host_us", "runner_us", "rest_us"):
                             out[key].setdefault(str(b), {})[k] = got[key][k]
+                served = measure(b, CDB, a.steps, a.seed, a.temperature, tokenizer=tok[0])["host_us"]
+                best = out["serving_host_us"].setdefault(str(b), {})
+                for k, v in served.items():
+                    if k not in best or v["median"] < best[k]["median"]:
+                        best[k] = v
             out["attention"][str(b)] = measure(b, CDB, a.steps, a.seed,
                                                count_attention=True)["attention"]
             out["context_mean"][str(b)] = cdb["context_mean"]
-    out["detokenize_4000"] = detok_bench(4000)
+    out["detokenize_4000"] = detok_bench(4000, tok)
     text = json.dumps(out, indent=1)
     print(text)
     if a.out is not None:

@@ -25,14 +25,12 @@ import numpy as np
 import torch
 
 from infer.engine.block_manager import BlockManager
-from infer.engine.config import EngineConfig
+from infer.engine.config import EngineConfig, add_engine_args, engine_config_from_args
 from infer.engine.llm import load_model
 from infer.engine.runner import ModelRunner
 from infer.engine.sampling import SamplingParams
 from infer.engine.scheduler import Work
 from infer.engine.sequence import Sequence, Stage
-from kv_layouts import DEFAULT_LAYOUT, LAYOUTS
-from looplm.policy import ExitPolicy
 
 
 @dataclass
@@ -103,13 +101,14 @@ def fits_to_json(fits: dict[str, StageFit], context_per_item: float | None = Non
 
 
 def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, stages=("core",),
-          kv_layout: str = DEFAULT_LAYOUT, block_size: int = EngineConfig.block_size, pad_pow2: bool = True,
-          progress=None,
-          max_tokens: int | None = None, cuda_graphs: bool = False) -> list[dict]:
+          config: EngineConfig | None = None, progress=None, max_tokens: int | None = None) -> list[dict]:
     """Median latency of one decode stage call over batch sizes x context lengths (tokens each
-    item attends), measured on the ModelRunner directly with synthetic sequences. Points with
-    batch x context > `max_tokens` are skipped (KV memory)."""
+    item attends), measured on the ModelRunner directly with synthetic sequences, with the KV
+    layout, block size, padding, CUDA graphs and exit criterion that `config` resolves to for this
+    model (the engine's). Points with batch x context > `max_tokens` are skipped (KV memory)."""
     cfg = model.cfg
+    ec = (config or EngineConfig()).resolve(cfg, model.device)
+    block_size = ec.block_size
     bad = [c for c in contexts if not 1 <= c <= cfg.max_position]
     if bad:
         raise ValueError(f"contexts {bad} outside [1, max_position={cfg.max_position}]")
@@ -118,9 +117,8 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
     maxb = max(batch_sizes)
     nblocks = max(b * (-(-(c + repeats + 1) // block_size)) for c, b, _ in points) + 1
     bm = BlockManager(nblocks, block_size, maxb)
-    policy = ExitPolicy.from_config(cfg)
-    kw = {"cuda_graphs": True} if cuda_graphs else {}
-    runner = ModelRunner(model, kv_layout, bm, policy.criterion, pad_pow2, maxb, **kw)
+    policy = ec.exit_policy(cfg)
+    runner = ModelRunner(model, ec.kv_layout, bm, policy.criterion, ec.pad_pow2, maxb, cuda_graphs=ec.cuda_graphs)
     rows = []
     for ctx, b, stage in points:
         seqs = []
@@ -216,11 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's default)")
-    s.add_argument("--kv-layout", default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS),
-                   help="shared needs 1/r_max of the KV memory and reads the same bytes per step")
     s.add_argument("--max-tokens", type=int, default=None, help="skip points with batch x context above this")
-    s.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (the engine's GPU path)")
     s.add_argument("--out", type=Path, default=Path("outputs/latency"))
+    # the engine's flags: the sweep runs the layout, block size, padding, CUDA graphs and exit
+    # criterion they resolve to for the model (its checkpoint's layout by default)
+    add_engine_args(s)
     a = p.parse_args(argv)
     if a.cmd == "fit":
         data = json.loads(a.trace.read_text())
@@ -240,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     model, _ = load_model(a.model, a.dtype, a.device)
     npts = sum(a.max_tokens is None or b * c <= a.max_tokens for b in a.batch_sizes for c in a.contexts) * len(a.stages)
     bar = tqdm(total=npts, desc="sweep", unit="point")
-    rows = sweep(model, a.batch_sizes, a.contexts, a.repeats, tuple(a.stages), kv_layout=a.kv_layout, progress=bar,
-                 max_tokens=a.max_tokens, cuda_graphs=a.cuda_graphs)
+    rows = sweep(model, a.batch_sizes, a.contexts, a.repeats, tuple(a.stages), engine_config_from_args(a), progress=bar,
+                 max_tokens=a.max_tokens)
     bar.close()
     fits = fit_trace(rows)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -14,16 +14,16 @@ On the simulator a swap costs its bytes (KV blocks + the state slot, each way) a
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from functools import partial
 
-from infer.engine.config import EngineConfig
+from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
 from looplm.presets import PAPER_MODELS, paper_config
 
+from .report import ratio_json
 from .workloads import make_requests
 
 
@@ -58,25 +58,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--workload", default="sharegpt")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=1024)
-    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="default: 4096 on CPU, the H100's in the sim")
-    ap.add_argument("--max-batch-size", type=int, default=256)
-    ap.add_argument("--kv-layout", default="last_exited")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pcie-bandwidth", type=float, default=25e9, help="sim: host <-> device bytes/s of a swap")
+    # the engine's flags; reserve_kv is what the bench varies; kv_cache_tokens: default 4096 on
+    # CPU, what an 80 GB H100 holds in the simulator
+    add_engine_args(ap, skip=("reserve_kv", "trace"))
+    ap.set_defaults(max_batch_size=256, exit_threshold=0.5)
     a = ap.parse_args(argv)
-    base = dict(kv_layout=a.kv_layout, max_batch_size=a.max_batch_size, exit_threshold=0.5)
+    base = engine_kwargs_from_args(a)
     if a.sim:
-        from .sim import ASSUMED_MEAN_DEPTH, RooflineCost, SimModel, SimRunner, binomial_depths, \
-            depths_from_distribution, h100_kv_tokens
+        from .sim import ASSUMED_MEAN_DEPTH, SIM_EXITS, RooflineCost, SimModel, SimRunner, binomial_depths, \
+            depths_from_distribution, h100_kv_tokens, served_context
         cfg = paper_config(a.model) if a.model in PAPER_MODELS else load_model(a.model)[0].cfg
-        reqs = make_requests(a.workload, a.num_requests, seed=a.seed, max_position=cfg.max_position)
+        layout = EngineConfig(**base).resolve(cfg).kv_layout
+        base.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout))
+        base.update(SIM_EXITS)
+        reqs = make_requests(a.workload, a.num_requests, seed=a.seed, max_model_len=served_context(cfg, base))
         depths = depths_from_distribution(binomial_depths(cfg.r_max, ASSUMED_MEAN_DEPTH.get(a.model, cfg.r_max / 2)),
                                           reqs, a.seed)
-        kvt = a.kv_cache_tokens or h100_kv_tokens(cfg, a.kv_layout)
-        base.update(kv_cache_tokens=kvt, exit_criterion="learned", max_prefill_tokens=8192)
 
         def engine(reserve):
-            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=a.kv_layout), depths=depths,
+            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=layout), depths=depths,
                              pcie_bandwidth=a.pcie_bandwidth)
             return LLMEngine(SimModel(cfg), EngineConfig(**base, reserve_kv=reserve), runner_cls=runner)
 
@@ -85,9 +87,10 @@ def main(argv=None) -> dict:
     else:
         model, _ = load_model(a.model)
         cfg = model.cfg
-        reqs = make_requests(a.workload, a.num_requests, seed=a.seed, scale="auto", max_position=cfg.max_position,
+        base.setdefault("kv_cache_tokens", 4096)
+        ctx = LLMEngine(model, EngineConfig(**base)).max_model_len
+        reqs = make_requests(a.workload, a.num_requests, seed=a.seed, scale="auto", max_model_len=ctx,
                              vocab_size=cfg.vocab_size)
-        base.update(kv_cache_tokens=a.kv_cache_tokens or 4096)
 
         def engine(reserve):
             return LLMEngine(model, EngineConfig(**base, reserve_kv=reserve))
@@ -102,10 +105,9 @@ def main(argv=None) -> dict:
         out[name] = run_one(eng, reqs, a.max_tokens, clock_of(eng))
         if a.sim:
             out[name]["swap_seconds"] = eng.runner.swap_seconds
-    out["batch_ratio"] = out["on_demand"]["mean_running_batch"] / out["reserve"]["mean_running_batch"]
-    out["throughput_ratio"] = out["on_demand"]["output_tok_per_s"] / out["reserve"]["output_tok_per_s"]
-    print(json.dumps(out, indent=1))
-    return out
+    on, res = out["on_demand"], out["reserve"]
+    return ratio_json(out, {"batch_ratio": (on, res, "mean_running_batch"),
+                            "throughput_ratio": (on, res, "output_tok_per_s")})
 
 
 if __name__ == "__main__":

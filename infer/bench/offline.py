@@ -28,6 +28,7 @@ from infer.engine.sampling import SamplingParams
 from . import bounds as B
 from .latency import fit_trace, fits_to_json
 from .report import format_table, model_meta, write_outputs
+from .work import ratios as work_ratios, work_counts
 from .workloads import WORKLOADS, Request, describe, make_requests, mean_decode_context
 
 RESULT_FIELDS = ("output_tokens_per_s", "requests_per_s", "mean_exit_depth", "alpha", "s_dec", "s_e2e",
@@ -82,7 +83,8 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     bad = [i for i, (o, r) in enumerate(zip(outs, requests)) if len(o.token_ids) != r.output_len]
     if bad:
         raise RuntimeError(f"{mode['name']}: requests {bad[:5]} produced a different number of tokens than asked")
-    return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace, prefix_cache(eng.metrics(), m0))
+    return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace, prefix_cache(eng.metrics(), m0),
+                    work_counts(eng.trace, eng.model.cfg, eng.model.dtype.itemsize))
 
 
 def prefix_cache(after: dict, before: dict | None = None) -> dict:
@@ -99,9 +101,9 @@ def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, 
 
 
 def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
-             prefix_cache: dict | None = None) -> dict:
+             prefix_cache: dict | None = None, work: dict | None = None) -> dict:
     """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
-    `config` is the engine's resolved config."""
+    `config` is the engine's resolved config, `work` the run's exact work counts (work.py)."""
     stages: dict[str, dict] = {}
     for r in trace:
         s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0})
@@ -124,7 +126,7 @@ def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: Engine
             "prefill_seconds": pre["seconds"], "prefill": {**pre, "share": pre["seconds"] / traced if traced else None},
             "traced_seconds": traced,
             "steps": len(trace), "stages": stages, "trace": trace if keep_trace else None,
-            "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache}
+            "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache, "work": work}
 
 
 def prefill_breakdown(trace: list[dict]) -> dict:
@@ -154,7 +156,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
     out = []
     for name, r in raws.items():
         tps = r["output_tokens"] / r["seconds"]
-        full = r["engine_config"]["exits_disabled"]
+        full = r["engine_config"]["full_depth"]
         d = cfg.r_max if full or r["mean_exit_depth"] != r["mean_exit_depth"] else r["mean_exit_depth"]
         res = {"mode": name, "output_tokens_per_s": tps, "requests_per_s": r["num_requests"] / r["seconds"],
                "total_tokens_per_s": (r["output_tokens"] + sum(q.prompt_len for q in requests)) / r["seconds"],
@@ -163,7 +165,8 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "mean_exit_depth": d, "exit_depth_hist": r["exit_depth_hist"],
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
                "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
-               "prefix_cache": r.get("prefix_cache"),
+               "prefix_cache": r.get("prefix_cache"), "work": r.get("work"),
+               **work_ratios(r["work"], cb["work"] if cb else None),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
         if alpha_cb is not None:
             b = B.bound(cfg, d, alpha_cb, ctx)
@@ -214,7 +217,7 @@ def latency_bound(fits: dict, results: list[dict], raws: dict[str, dict], ctx: f
         return f.predict(b, n * ctx)
     t_cb = t("fused", nb)
     for r in results:
-        if r["engine_config"]["exits_disabled"] or r["alpha"] is None:
+        if r["engine_config"]["full_depth"] or r["alpha"] is None:
             continue
         sd = t_cb / (t("prelude", nb) + r["mean_exit_depth"] * t("core", nb) + t("coda", nb))
         r["s_dec_latency"] = sd
@@ -229,14 +232,19 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
     cfg = model.cfg
     modes = modes or modes_for()
     base = dict(base or {})
-    reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_position=cfg.max_position,
+    # the requests fit the context the engine really serves (max_model_len: the checkpoint's,
+    # capped by the KV pool), which the first mode's engine knows; every mode has the same pool
+    first = make_engine(model, tokenizer, modes[0], base)
+    ctx_len = first.max_model_len
+    reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_model_len=ctx_len,
                          vocab_size=cfg.vocab_size, tokenizer=tokenizer)
     reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
     if model.device.type == "cuda":
         # one engine (KV pool, CUDA graphs) at a time; a full untimed pass captures every graph
         # (stage, padded batch, context bucket) that the timed passes replay
         for m in modes:
-            eng = make_engine(model, tokenizer, m, base)
+            eng = first if m is modes[0] else make_engine(model, tokenizer, m, base)
+            first = None
             if warmup:
                 run_engine(eng, m, reqs, keep_trace=False)
             for _ in range(repeats):
@@ -245,7 +253,7 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
             torch.cuda.empty_cache()
     else:
         # CPU: every engine alive, warmed up on two requests, repeats in alternating order
-        engines = {m["name"]: make_engine(model, tokenizer, m, base) for m in modes}
+        engines = {m["name"]: first if m is modes[0] else make_engine(model, tokenizer, m, base) for m in modes}
         if warmup:
             for m in modes:
                 run_engine(engines[m["name"]], m, reqs[:2], keep_trace=False)
@@ -259,7 +267,7 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
     ctx = mean_decode_context(reqs)
     fits = fit_trace(trace)
     latency_bound(fits, results, raws, ctx)
-    out = {"workload": describe(reqs, workload, scale, cfg.max_position), "bounds": bounds_block(cfg, reqs),
+    out = {"workload": describe(reqs, workload, scale, ctx_len), "bounds": bounds_block(cfg, reqs),
            "results": results, "latency_fit": fits_to_json(fits, ctx),
            "untraced_seconds_per_step": {n: max(0.0, (r["seconds"] - r["traced_seconds"]) / max(1, r["steps"]))
                                          for n, r in raws.items()},
@@ -298,19 +306,19 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
             if v is not None}
     mode = {"name": policy if policy == "cb" else f"cdb_{'refill_k%d' % min_coda_batch if refill else 'norefill'}",
             "policy": policy, "refill": refill, "min_coda_batch": min_coda_batch}
-    reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_position=m.cfg.max_position,
-                         vocab_size=m.cfg.vocab_size, tokenizer=tok)
     eng = make_engine(m, tok, mode, base)
+    reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_model_len=eng.max_model_len,
+                         vocab_size=m.cfg.vocab_size, tokenizer=tok)
     run_engine(eng, mode, reqs if m.device.type == "cuda" else reqs[:2], keep_trace=False)  # warm-up
     raw = run_engine(eng, mode, reqs, keep_trace=False)
-    full = raw["engine_config"]["exits_disabled"]
+    full = raw["engine_config"]["full_depth"]
     return {"output_tokens_per_s": raw["output_tokens"] / raw["seconds"],
             "requests_per_s": raw["num_requests"] / raw["seconds"],
             "mean_exit_depth": float(m.cfg.r_max) if full else raw["mean_exit_depth"],
             "seconds": raw["seconds"], "num_requests": raw["num_requests"], "output_tokens": raw["output_tokens"],
             "alpha": raw["prefill_seconds"] / raw["traced_seconds"] if raw["traced_seconds"] else None,
             "exit_depth_hist": raw["exit_depth_hist"], "stages": raw["stages"],
-            "workload": describe(reqs, workload, scale, m.cfg.max_position),
+            "workload": describe(reqs, workload, scale, eng.max_model_len),
             "settings": {**base, **_mode_kwargs(mode), "workload": workload, "num_requests": num_requests,
                          "scale": scale, "seed": seed, "dtype": dtype, "device": device},
             "engine_config": raw["engine_config"]}

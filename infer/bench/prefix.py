@@ -27,6 +27,7 @@ from infer.engine.sampling import SamplingParams
 from looplm.presets import paper_config
 
 from .itl import cpu_model, percentile
+from .report import ratio_json
 from .workloads import Request
 
 
@@ -117,11 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
             wait = (lambda t, c=clock: time.sleep(max(0.0, t - c())))
         out["results"][name] = res = serve(eng, reqs, arrivals, clock, wait)
         print(name, json.dumps(res), file=sys.stderr)
-    r = out["results"]
-    out["ttft_mean_ratio_off_over_on"] = r["off"]["ttft_mean_s"] / r["on"]["ttft_mean_s"]
-    out["ttft_p99_ratio_off_over_on"] = r["off"]["ttft_p99_s"] / r["on"]["ttft_p99_s"]
-    print(json.dumps(out, indent=1))
-    return out
+    off, on = out["results"]["off"], out["results"]["on"]
+    return ratio_json(out, {"ttft_mean_ratio_off_over_on": (off, on, "ttft_mean_s"),
+                            "ttft_p99_ratio_off_over_on": (off, on, "ttft_p99_s")})
 
 
 if __name__ == "__main__":

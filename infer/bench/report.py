@@ -5,16 +5,24 @@ import json
 from pathlib import Path
 
 
+def ratio_json(out: dict, ratios: dict[str, tuple[dict, dict, str]]) -> dict:
+    """Add `name: a[key] / b[key]` for each of `ratios` to a bench's JSON, print it, return it."""
+    for name, (a, b, key) in ratios.items():
+        out[name] = a[key] / b[key]
+    print(json.dumps(out, indent=1))
+    return out
+
+
 def format_table(block: dict) -> str:
     w = block["workload"]
     lines = [f"== {w['workload']}: {w['num_requests']} requests, prompt {w['mean_prompt_len']:.1f} / output "
              f"{w['mean_output_len']:.1f} tokens (trace {w['trace_mean_prompt_len']:.0f} / "
              f"{w['trace_mean_output_len']:.0f}; lengths scaled x{w['scale']:.3g}"
-             + (f", {w['clamped_to_context']} clamped to the context {w['max_position']}" if w["clamped_to_context"] else "")
+             + (f", {w['clamped_to_context']} clamped to the context {w['max_model_len']}" if w["clamped_to_context"] else "")
              + ")",
              f"{'mode':16s} {'out tok/s':>10s} {'req/s':>7s} {'depth':>6s} {'alpha':>6s} {'S_dec':>6s} "
-             f"{'S_e2e':>6s} {'speedup':>8s} {'of bound':>8s} {'S_e2e(lat)':>10s} {'pf launches':>11s} "
-             f"{'pf tok/l':>8s} {'pf share':>8s}"]
+             f"{'S_e2e':>6s} {'speedup':>8s} {'of bound':>8s} {'S_e2e(lat)':>10s} {'work/CB':>7s} {'wbytes/CB':>9s} "
+             f"{'pf launches':>11s} {'pf tok/l':>8s} {'pf share':>8s}"]
     f = (lambda x, p=3: f"{x:.{p}f}" if isinstance(x, (int, float)) else "-")
     pct = (lambda x: f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-")
     for r in block["results"]:
@@ -22,6 +30,7 @@ def format_table(block: dict) -> str:
         lines.append(f"{r['mode']:16s} {r['output_tokens_per_s']:10.1f} {r['requests_per_s']:7.2f} "
                      f"{r['mean_exit_depth']:6.2f} {f(r['alpha'], 3):>6s} {f(r['s_dec'], 3):>6s} {f(r['s_e2e'], 3):>6s} "
                      f"{f(r['speedup_vs_cb'], 3):>8s} {pct(r['fraction_of_bound']):>8s} {f(r.get('s_e2e_latency'), 3):>10s}"
+                     f" {f(r.get('compute_ratio'), 3):>7s} {f(r.get('weight_traffic_ratio'), 3):>9s}"
                      + (f" {pf['launches']:11d} {pf['mean_prompt_tokens']:8.1f} {pct(pf['share']):>8s}" if pf else ""))
     b = block["bounds"]
     st = block["results"][0]["settings"]
@@ -32,6 +41,8 @@ def format_table(block: dict) -> str:
                      "machine's fitted stage latencies, see latency_bound in infer/bench.py)")
     lines.append(f"bound: F0/Fr = {b['f0_over_fr']:.3f} at context {b['context']:.0f}, r_max {b['r_max']}; "
                  + b["formula"])
+    lines.append("work/CB, wbytes/CB: exact FLOPs and weight bytes of the run over CB's (infer/bench/work.py; the same "
+                 "on any machine, unlike the timings)")
     if "full_depth_vs_cb" in block:
         lines.append(f"CDB at full depth / CB throughput: {block['full_depth_vs_cb']:.3f}")
     return "\n".join(lines)

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.config import EngineConfig
+from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.memory import state_slot_bytes
-from infer.engine.runner import next_pow2
+from infer.engine.runner import Emitted, next_pow2
 from infer.engine.sampling import SamplingParams
 from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
-from kv_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_class
+from kv_layouts import DEFAULT_LAYOUT, layout_class
 from looplm.config import LoopConfig
 from looplm.presets import PAPER_MODELS, paper_config
 
@@ -39,6 +39,7 @@ from . import bounds as B
 from .latency import StageFit, fit_trace
 from .offline import bounds_block, headline, modes_for, prefix_cache, raw_from, summarize
 from .report import format_table, plot
+from .work import work_counts
 from .workloads import WORKLOADS, Request, describe, make_requests
 
 # The host benchmark's JSON (python -m infer.bench_host --out ...): the default per-stage overhead.
@@ -252,7 +253,7 @@ class SimRunner:
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
 
-    def run(self, work: Work) -> torch.Tensor | _Scores | None:
+    def run(self, work: Work) -> Emitted | _Scores | None:
         seqs, n = work.seqs, len(work.seqs)
         if work.stage is Stage.PREFILL:
             lens = [len(s.prompt_ids) for s in seqs]
@@ -261,7 +262,8 @@ class SimRunner:
             filled = sum(self.cfg.r_max - s.step for s in seqs) if work.stage is Stage.CODA else 0
             ctx = [s.num_tokens for s in seqs]
             bs = self.blocks.block_size
-            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), -(-self.cfg.max_position // bs) * bs) if ctx else 0
+            width = min(-(-self.cfg.max_position // bs), self.blocks.num_blocks) * bs  # the runner's table width
+            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), width) if ctx else 0
             N = self.padded(n) if n else 0
             spans = [s.chunk for s in work.chunks]
             c = Call(work.stage, n, N, n, sum(ctx), r_max=work.r_max, filled=filled, rows_sdpa=N * L,
@@ -272,7 +274,10 @@ class SimRunner:
         t = self.cost(c)
         self.clock += t
         row = {"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens, "context": c.context,
-               "seconds": t, "prompt_tokens": c.prompt_tokens if work.stage is not Stage.PREFILL else c.tokens}
+               "seconds": t, "prompt_tokens": c.prompt_tokens if work.stage is not Stage.PREFILL else c.tokens,
+               # what work.py counts: causal prefix rows of the prompt positions, head rows of final chunks
+               "context_pairs": (c.context_sq + c.tokens) // 2 if work.stage is Stage.PREFILL else 0,
+               "prompt_pairs": c.prompt_pairs, "finals": c.finals, "r_max": work.r_max or self.cfg.r_max}
         if work.chunks:  # the launch's cost that the prompts add (weights are paid by the decode items anyway)
             row["prompt_seconds"] = t - self.cost(c.without_prompts()) if n else t
         self.trace.append(row)
@@ -281,7 +286,7 @@ class SimRunner:
         if work.stage is Stage.CORE:
             # the "learned" criterion's score is an exit probability (looplm/exits.py)
             return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs])
-        return torch.tensor([[0.0, 1.0]]).expand(n + len(work.finals), 2)  # logits: every token is id 1
+        return Emitted(torch.tensor([[0.0, 1.0]]).expand(n + len(work.finals), 2))  # logits: every token is id 1
 
     def _fires(self, s: Sequence) -> bool:
         """The exit signal after this step, for a token whose recorded exit depth is d (lookahead:
@@ -293,17 +298,19 @@ class SimRunner:
 
 
 # ---------------------------------------------------------------------------------- running
-def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]], *,
-                  max_batch_size: int = 64, kv_layout: str = DEFAULT_LAYOUT, kv_cache_tokens: int | None = None,
-                  lookahead: bool = False, max_prefill_tokens: int = 8192, prefill: str | None = None) -> dict:
-    """One mode through the real engine on the virtual clock; the bench's raw record. `prefill`:
-    EngineConfig.prefill for the modes that do not name one."""
-    kw = {k: v for k, v in mode.items() if k != "name"}
-    if prefill is not None:
-        kw.setdefault("prefill", prefill)
-    ecfg = EngineConfig(**kw, kv_layout=kv_layout, max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens,
-                        max_prefill_tokens=max_prefill_tokens, exit_criterion="learned", exit_threshold=0.5,
-                        r_min=2 if lookahead else 1, lookahead=lookahead)
+# How the simulated runner makes a token exit at its recorded depth: the "learned" criterion reads
+# its exit probability, which SimRunner answers 1 or 0 (`_fires`); lookahead depths start at 2.
+SIM_EXITS = dict(exit_criterion="learned", exit_threshold=0.5)
+
+
+def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]],
+                  **engine) -> dict:
+    """One mode through the real engine on the virtual clock; the bench's raw record. `engine`:
+    EngineConfig fields (the same for every mode; a mode's own fields win, and the exit criterion
+    is the simulator's, SIM_EXITS)."""
+    kw = {**engine, **{k: v for k, v in mode.items() if k != "name"}, **SIM_EXITS}
+    kw["r_min"] = 2 if kw.get("lookahead") else 1
+    ecfg = EngineConfig(**kw)
     eng = LLMEngine(SimModel(cfg), ecfg, runner_cls=partial(SimRunner, cost=cost, depths=depths))
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
@@ -311,7 +318,20 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
         eng.step()
     run = eng.runner
     return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
-                    prefix_cache=prefix_cache(eng.metrics()))
+                    prefix_cache=prefix_cache(eng.metrics()), work=work_counts(run.trace, cfg, cost_bytes(cost)))
+
+
+def cost_bytes(cost) -> int:
+    """Bytes per weight element of the simulated device (the roofline's dtype; bf16 otherwise)."""
+    return getattr(cost, "dtype_bytes", 2)
+
+
+def served_context(cfg: LoopConfig, engine: dict) -> int:
+    """The max_model_len an engine with these EngineConfig fields serves on `cfg` (the simulated
+    device's pool decides it, as on a real one): the longest request a workload may hold."""
+    eng = LLMEngine(SimModel(cfg), EngineConfig(**{**engine, **SIM_EXITS}),
+                    runner_cls=partial(SimRunner, cost=None, depths=[]))
+    return eng.max_model_len
 
 
 def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]], modes: list[dict] | None = None,
@@ -320,7 +340,8 @@ def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[i
     modes = modes or modes_for()
     raws = {m["name"]: simulate_mode(cfg, requests, m, cost, depths, **kw) for m in modes}
     results = summarize(raws, cfg, requests, {"simulated": True, **{k: v for k, v in kw.items()}})
-    out = {"workload": describe(requests, workload, scale, cfg.max_position) if workload in WORKLOADS else
+    ctx = next(iter(raws.values()))["engine_config"]["max_model_len"]  # the context the engines served
+    out = {"workload": describe(requests, workload, scale, ctx) if workload in WORKLOADS else
            {"workload": workload, "num_requests": len(requests)},
            "bounds": bounds_block(cfg, requests), "results": results,
            "traces": {n: r["trace"] for n, r in raws.items()}, **headline(results)}
@@ -336,6 +357,11 @@ def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = DEFAULT_LAYOUT, memory: flo
     return int((memory * util - weights) // B.kv_bytes_per_token(cfg, slots, dtype_bytes))
 
 
+SIM_SKIPPED = ("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed", "exit_criterion", "exit_threshold",
+               "r_min", "cuda_graphs", "pipeline", "gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
+ENGINE_FIELDS = frozenset(EngineConfig.field_names()) - {"policy", "refill", "min_coda_batch", "full_depth", "trace"}
+
+
 def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
     """Re-run a bench's workloads (python -m infer.bench --save-trace) on the simulator with the
     latency model fitted on that bench's own step traces, pooled over every mode of a workload,
@@ -347,15 +373,14 @@ def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
     for w, run in data["runs"].items():
         wl = run["workload"]
         reqs = make_requests(w, wl["num_requests"], seed=run["seed"], scale=wl["scale_arg"],
-                             max_position=cfg.max_position, vocab_size=cfg.vocab_size)
+                             max_model_len=wl.get("max_model_len", cfg.max_position), vocab_size=cfg.vocab_size)
         trace = [r for k, t in data["trace"].items() if k.startswith(w + "/") for r in t]
         per_step = sum(run["untraced_seconds_per_step"].values()) / len(run["untraced_seconds_per_step"])
         cost = FittedCost(fit_trace(trace), per_step)
         modes = [{"name": n, **m} for n, m in run["modes"].items()]
-        st = run["settings"]
-        blk = simulate(cfg, reqs, cost, data["exit_depths"][w], modes, workload=w, scale=wl["scale_arg"],
-                       max_batch_size=st.get("max_batch_size", 32), kv_layout=st.get("kv_layout") or DEFAULT_LAYOUT,
-                       kv_cache_tokens=st.get("kv_cache_tokens"), lookahead=st.get("lookahead", False))
+        # the engine flags the bench ran with (the rest: the checkpoint's and EngineConfig's defaults)
+        engine = {k: v for k, v in run["settings"].items() if k in ENGINE_FIELDS}
+        blk = simulate(cfg, reqs, cost, data["exit_depths"][w], modes, workload=w, scale=wl["scale_arg"], **engine)
         blk["measured_tokens_per_s"] = run["measured_tokens_per_s"]
         for r in blk["results"]:
             m = run["measured_tokens_per_s"].get(r["mode"])
@@ -375,8 +400,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--kv-layout", default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS))
     p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM; H200: 4.8e12)")
     p.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s")
     p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call "
@@ -387,13 +410,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", default="sdpa", choices=("context", "paged", "sdpa"),
                    help="decode attention's KV reads: the engine's SDPA gather (CUDA path today), a paged "
                         "kernel, or the ideal real context")
-    p.add_argument("--lookahead", action="store_true")
-    p.add_argument("--prefill", choices=["mixed", "separate"], default=None,
-                   help="EngineConfig.prefill for every mode but cb_separate (default: EngineConfig's, mixed)")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="EngineConfig.max_prefill_tokens (the token "
-                   "budget per launch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/sim"))
+    # the engine's own flags (a mode's policy / refill / K / full depth and the simulator's exit
+    # criterion are set per mode); kv_cache_tokens: default what an 80 GB H100 holds beside the weights
+    add_engine_args(p, skip=SIM_SKIPPED)
+    p.set_defaults(max_batch_size=64)
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.fitted is not None:
@@ -413,26 +435,26 @@ def main(argv: list[str] | None = None) -> None:
     if a.model not in PAPER_MODELS:
         p.error(f"--model must be one of {sorted(PAPER_MODELS)} without --fitted")
     cfg = paper_config(a.model)
+    engine = engine_kwargs_from_args(a)
+    layout = EngineConfig(**engine).resolve(cfg).kv_layout  # the cost model prices the layout the engine runs
+    engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout))
+    ctx = served_context(cfg, engine)
     mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
     probs = binomial_depths(cfg.r_max, mean)
     host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
     cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,
-                        kv_layout=a.kv_layout, host=host, attention=a.attention)
-    kvt = h100_kv_tokens(cfg, a.kv_layout)
+                        kv_layout=layout, host=host, attention=a.attention)
     blocks = []
     for w in a.workloads:
-        reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_position=cfg.max_position,
+        reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx,
                              vocab_size=cfg.vocab_size)
         depths = depths_from_distribution(probs, reqs, a.seed)
-        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, max_batch_size=a.max_batch_size,
-                       kv_layout=a.kv_layout, kv_cache_tokens=kvt, lookahead=a.lookahead, prefill=a.prefill,
-                       max_prefill_tokens=a.max_prefill_tokens)
+        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, **engine)
         print(format_table(blk))
         blocks.append(blk)
     meta = {"model": a.model, "config": cfg.name, "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
-            "host_json": str(a.host_json) if host else None, "attention": a.attention, "kv_cache_tokens": kvt,
-            "max_batch_size": a.max_batch_size, "num_requests": a.num_requests,
+            "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine, "num_requests": a.num_requests,
             "exit_depth_distribution": probs, "mean_exit_depth_assumed": mean, "simulated": True,
             "command": "python -m infer.sim " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
     tag = f"{a.model}_d{mean:g}"

@@ -49,23 +49,23 @@ def load_trace(workload: str) -> tuple[tuple[int, int], ...]:
         return tuple((int(r["prompt_tokens"]), int(r["output_tokens"])) for r in csv.DictReader(f))
 
 
-def fit_scale(workload: str, max_position: int, quantile: float = 0.9) -> float:
+def fit_scale(workload: str, max_model_len: int, quantile: float = 0.9) -> float:
     """The largest scale <= 1 at which the trace's `quantile` request (by prompt + output) fits the
     context: what `scale="auto"` uses."""
     tot = sorted(p + o for p, o in load_trace(workload))
     q = tot[min(len(tot) - 1, int(quantile * len(tot)))]
-    return min(1.0, max_position / q)
+    return min(1.0, max_model_len / q)
 
 
-def scaled_lengths(p: int, o: int, scale: float, max_position: int) -> tuple[int, int, bool]:
+def scaled_lengths(p: int, o: int, scale: float, max_model_len: int) -> tuple[int, int, bool]:
     """Scale a (prompt, output) pair, clamp to >= 1 each, then shrink proportionally to fit the
-    context (prompt + output <= max_position). Returns (prompt, output, clamped)."""
+    context (prompt + output <= max_model_len). Returns (prompt, output, clamped)."""
     p2, o2 = max(1, round(p * scale)), max(1, round(o * scale))
-    if p2 + o2 <= max_position:
+    if p2 + o2 <= max_model_len:
         return p2, o2, False
-    f = max_position / (p2 + o2)
+    f = max_model_len / (p2 + o2)
     p3, o3 = max(1, int(p2 * f)), max(1, int(o2 * f))
-    while p3 + o3 > max_position:  # rounding of tiny contexts
+    while p3 + o3 > max_model_len:  # rounding of tiny contexts
         if p3 >= o3:
             p3 -= 1
         else:
@@ -88,13 +88,13 @@ def _text_pool(workload: str, tokenizer) -> tuple[list[int], list[int]]:
 
 
 def make_requests(workload: str, num_requests: int, *, seed: int = 0, scale: float | str = 1.0,
-                  max_position: int = 2048, vocab_size: int = 256, tokenizer=None) -> list[Request]:
+                  max_model_len: int = 2048, vocab_size: int = 256, tokenizer=None) -> list[Request]:
     """`num_requests` requests drawn (without replacement, by seed) from the workload's trace.
-    `scale="auto"` picks `fit_scale(workload, max_position)`."""
+    `scale="auto"` picks `fit_scale(workload, max_model_len)`."""
     rows = load_trace(workload)
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    s = fit_scale(workload, max_position) if scale == "auto" else float(scale)
+    s = fit_scale(workload, max_model_len) if scale == "auto" else float(scale)
     if not 0 < s <= 1:
         raise ValueError(f"scale must be in (0, 1] or 'auto', got {scale!r}")
     rng = random.Random(f"{workload}:{seed}")
@@ -104,7 +104,7 @@ def make_requests(workload: str, num_requests: int, *, seed: int = 0, scale: flo
     out = []
     for i in idx:
         p, o = rows[i]
-        pl, ol, _ = scaled_lengths(p, o, s, max_position)
+        pl, ol, _ = scaled_lengths(p, o, s, max_model_len)
         if pool is not None:
             at = starts[rng.randrange(len(starts))]  # a window starting at a text's beginning
             ids = (pool[at:] + pool)[:pl] if at + pl > len(pool) else pool[at:at + pl]
@@ -115,13 +115,13 @@ def make_requests(workload: str, num_requests: int, *, seed: int = 0, scale: flo
     return out
 
 
-def describe(requests: list[Request], workload: str, scale: float | str, max_position: int) -> dict:
+def describe(requests: list[Request], workload: str, scale: float | str, max_model_len: int) -> dict:
     """Summary of a request list (goes into the benchmark JSON)."""
     n = len(requests)
-    s = fit_scale(workload, max_position) if scale == "auto" else float(scale)
-    clamped = sum(scaled_lengths(r.trace_prompt_len, r.trace_output_len, s, max_position)[2] for r in requests)
+    s = fit_scale(workload, max_model_len) if scale == "auto" else float(scale)
+    clamped = sum(scaled_lengths(r.trace_prompt_len, r.trace_output_len, s, max_model_len)[2] for r in requests)
     return {"workload": workload, "num_requests": n, "scale": round(s, 6), "scale_arg": scale,
-            "max_position": max_position, "clamped_to_context": clamped,
+            "max_model_len": max_model_len, "clamped_to_context": clamped,
             "mean_prompt_len": sum(r.prompt_len for r in requests) / n,
             "mean_output_len": sum(r.output_len for r in requests) / n,
             "trace_mean_prompt_len": sum(r.trace_prompt_len for r in requests) / n,

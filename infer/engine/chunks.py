@@ -47,10 +47,10 @@ STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
 
 
 class ChunkQueues:
-    def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_position: int,
+    def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_model_len: int,
                  reserve_kv: bool = False, caching: bool = False, counters: dict | None = None):
         self.budget, self.chunked, self.r_full = budget, chunked, r_full
-        self.blocks, self.max_position, self.reserve_kv = blocks, max_position, reserve_kv
+        self.blocks, self.max_model_len, self.reserve_kv = blocks, max_model_len, reserve_kv
         self.caching = caching
         # prompt tokens looked up in the prefix cache and found there (the engine's metrics)
         self.counters = counters if counters is not None else {}
@@ -92,7 +92,7 @@ class ChunkQueues:
             if not started:
                 if running + len(out) >= max_batch:
                     break
-                need = s.reserved_tokens(self.max_position) if self.reserve_kv else len(s.prompt_ids)
+                need = s.reserved_tokens(self.max_model_len) if self.reserve_kv else len(s.prompt_ids)
                 if not self.blocks.can_allocate(need, keep_free(len(out)), hits):
                     break  # FIFO: the head waits for memory, nobody overtakes it
                 s.blocks, s.slot = self.blocks.allocate(need, hits)
@@ -132,7 +132,7 @@ class ChunkQueues:
         for s in chunks:
             if self.caching:
                 self._register(s)
-            s.prefilled, s.chunk, s.chunk_state, s.step = s.chunk[1], None, None, 0
+            s.prefilled, s.chunk, s.step = s.chunk[1], None, 0
             if s.prefilled == len(s.prompt_ids):
                 done.append(s)
             else:

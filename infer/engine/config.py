@@ -14,12 +14,15 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from kv_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_class
 from looplm.config import CRITERIA, LoopConfig
 from looplm.errors import ParamError
 from looplm.policy import ExitPolicy
 
 POLICIES = ("cb", "cdb")
+CPU_KV_MEMORY = 512 * 2**20  # bytes of KV pool + state slots on a CPU when no pool size is given
 PREFILL_MODES = ("mixed", "separate")
 
 
@@ -50,7 +53,7 @@ class EngineConfig:
                                            "gpu_memory_utilization, kv_cache_memory)")
     kv_cache_bytes: int | None = _f(None, "KV pool size in bytes (instead of kv_cache_tokens)")
     kv_cache_memory: int | None = _f(None, "CPU: bytes of KV pool + state slots when no kv_cache_tokens / "
-                                           "kv_cache_bytes is given; default 512 MiB")
+                                           f"kv_cache_bytes is given; default {CPU_KV_MEMORY >> 20} MiB")
     gpu_memory_utilization: float = _f(0.9, "CUDA: fraction of the device's memory for weights + activations + "
                                             "KV pool (the pool gets what a worst-case dummy stage leaves)")
     max_model_len: int | None = _f(None, "context cap (prompt + output); default: the checkpoint's, lowered to "
@@ -66,7 +69,7 @@ class EngineConfig:
     r_min: int | None = _f(None, "minimum exit depth; default: the checkpoint's")
     lookahead: bool | None = _f(None, "the exit signal after step s means 'exit after s+1'; default: the "
                                       "checkpoint's")
-    full_depth: bool = _f(False, "disable exits (also implied by a full-depth layout and by policy cb)")
+    full_depth: bool = _f(False, "disable exits (resolved: also True under a full-depth layout and policy cb)")
     pad_pow2: bool = _f(True, "pad decode batches to powers of two (static shapes for CUDA graphs)")
     cuda_graphs: bool | None = _f(None, "CUDA graphs for decode stages; default: on for CUDA devices")
     pipeline: bool | None = _f(None, "lookahead pipeline (launch step t before reading t-1's scores); default: "
@@ -75,6 +78,8 @@ class EngineConfig:
     trace: bool = _f(False, "record every step (stage, batch, context, seconds) in engine.trace")
 
     def __post_init__(self) -> None:
+        # the one validation of every setting: it runs on the explicit values at construction and
+        # again on the filled-in values, since resolve() builds its result with dataclasses.replace
         if self.policy not in POLICIES:
             raise ParamError("policy", f"unknown policy {self.policy!r}; supported: {POLICIES}")
         if self.kv_layout is not None:
@@ -112,55 +117,60 @@ class EngineConfig:
             raise ParamError(unknown[0], f"unknown engine setting {unknown[0]!r}; known: {', '.join(cls.field_names())}")
         return cls(**kw)
 
-    def resolve(self, cfg: LoopConfig) -> EngineConfig:
-        """Fill every setting left at None from the checkpoint, then from the engine's defaults."""
+    def resolve(self, cfg: LoopConfig, device: torch.device | str = "cpu") -> EngineConfig:
+        """Fill every setting left at None from the checkpoint, the device, then the engine's
+        defaults: the one place each is decided. Only the pool-dependent settings (kv_cache_tokens,
+        max_model_len, swap_space) are left for `memory.size_pool`, which measures the device."""
+        on_cuda = torch.device(device).type == "cuda"
         layout = self.kv_layout or cfg.kv_layout or DEFAULT_LAYOUT
-        if layout not in LAYOUTS:
-            raise ParamError("kv_layout", f"the checkpoint's kv_layout {layout!r} is unknown; supported: "
-                                          f"{sorted(LAYOUTS)}")
+        depth_exact = layout_class(layout).depth_slots_exact
         lookahead = self.lookahead if self.lookahead is not None else bool(cfg.exit_lookahead)
+        # the exit policy's defaults are filled here once (criterion, threshold, r_min); the engine's
+        # ExitPolicy is then built from these fields (exit_policy)
         pol = ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
                                      r_min=self.r_min, lookahead=lookahead)
         if self.max_model_len is not None and self.max_model_len > cfg.max_position:
             raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
                                               f"of {cfg.max_position} tokens")
-        check_chunking(layout, self.chunked_prefill, self.prefill)
-        check_prefix_caching(layout, self.enable_prefix_caching, self.prefill)
-        return dataclasses.replace(self, kv_layout=layout, exit_criterion=pol.criterion,
-                                   exit_threshold=pol.threshold, r_min=pol.r_min, lookahead=pol.lookahead,
-                                   max_model_len=self.max_model_len or cfg.max_position)
-
-    @property
-    def chunked_prefill_enabled(self) -> bool:
-        """Whether mixed prefill splits long prompts: exact only where a chunk can read the earlier
-        chunks at its own loop step (depth-indexed layouts); `shared` keeps prompts whole."""
-        layout = self.kv_layout or DEFAULT_LAYOUT
-        return self.chunked_prefill if self.chunked_prefill is not None else layout_class(layout).depth_slots_exact
-
-    @property
-    def prefix_caching_enabled(self) -> bool:
-        """Whether prompts share cached prefix blocks: by default where exact, i.e. where every depth
-        slot of a cached position is what a fresh depth-major prefill writes (depth-indexed layouts)
-        and the suffix can start at an offset (mixed prefill: it is a prompt chunk)."""
-        if self.enable_prefix_caching is not None:
-            return self.enable_prefix_caching
-        return self.prefill == "mixed" and layout_class(self.kv_layout or DEFAULT_LAYOUT).depth_slots_exact
-
-    @property
-    def exits_disabled(self) -> bool:
-        """Full depth: the one place that decides it (an explicit flag, a full-depth layout, or CB)."""
-        return is_full_depth(self.policy, self.kv_layout or DEFAULT_LAYOUT, self.full_depth)
+        if self.cuda_graphs and not on_cuda:
+            raise ParamError("cuda_graphs", f"cuda_graphs=True needs a CUDA device, not {device}")
+        no_pool = self.kv_cache_tokens is None and self.kv_cache_bytes is None
+        full = self.full_depth or self.policy == "cb" or layout_class(layout).disables_exits
+        return dataclasses.replace(
+            self, kv_layout=layout, exit_criterion=pol.criterion, exit_threshold=pol.threshold, r_min=pol.r_min,
+            lookahead=pol.lookahead, full_depth=full,
+            max_model_len=self.max_model_len or cfg.max_position,
+            chunked_prefill=_default(self.chunked_prefill, depth_exact and self.prefill == "mixed"),
+            enable_prefix_caching=_default(self.enable_prefix_caching, depth_exact and self.prefill == "mixed"),
+            cuda_graphs=_default(self.cuda_graphs, on_cuda),
+            pipeline=_default(self.pipeline, on_cuda and pol.lookahead),
+            kv_cache_memory=self.kv_cache_memory or (CPU_KV_MEMORY if no_pool and not on_cuda else None))
 
     def exit_policy(self, cfg: LoopConfig) -> ExitPolicy:
-        """The engine-wide exit policy of a resolved config."""
-        return ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
-                                      r_min=self.r_min, lookahead=bool(self.lookahead),
-                                      full_depth=self.exits_disabled)
+        """The engine-wide exit policy of a resolved config (built from its fields, no defaults)."""
+        if self.full_depth:  # explicit: never a threshold value (Ouro's bf16 gate can saturate to 1.0)
+            return ExitPolicy("none", None, cfg.r_max, cfg.r_max)
+        return ExitPolicy(self.exit_criterion, self.exit_threshold, self.r_min, cfg.r_max, bool(self.lookahead))
+
+    def max_launch_tokens(self) -> int:
+        """The most tokens one launch of a resolved config can carry: what the CUDA memory budget
+        (memory.cuda_budget) must measure. `max_prefill_tokens` is the per-launch budget (prompt
+        tokens + decode items under mixed prefill, prompt tokens of a prefill launch under
+        separate), and admission keeps to it, with one exception each (chunks.py, scheduler.py):
+        a prompt that does not fit is admitted alone rather than never, whole where prompts are
+        not chunked (at most max_model_len - 1 tokens, beside the decode items under mixed
+        prefill) and as one block's chunk where they are."""
+        budget, decode = self.max_prefill_tokens, self.max_batch_size if self.prefill == "mixed" else 0
+        alone = self.block_size if self.chunked_prefill else self.max_model_len - 1
+        return max(budget, decode + alone)
 
     def describe(self) -> dict:
         """The settings as a JSON-able dict (the server's /v1/models, bench JSON)."""
-        return {**dataclasses.asdict(self), "exits_disabled": self.exits_disabled,
-                "prefix_caching_enabled": self.prefix_caching_enabled}
+        return dataclasses.asdict(self)
+
+
+def _default(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
 
 
 def check_chunking(kv_layout: str | None, chunked_prefill: bool | None, prefill: str) -> None:
@@ -182,11 +192,6 @@ def check_prefix_caching(kv_layout: str | None, enable: bool | None, prefill: st
     if enable and prefill != "mixed":
         raise ParamError("enable_prefix_caching", "enable_prefix_caching needs prefill='mixed' (the separate prefill "
                                                   "stage runs whole prompts from position 0)")
-
-
-def is_full_depth(policy: str = "cdb", kv_layout: str = DEFAULT_LAYOUT, full_depth: bool = False) -> bool:
-    """Whether every decode token runs all r_max loop steps."""
-    return full_depth or policy == "cb" or layout_class(kv_layout).disables_exits
 
 
 _CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "kv_layout": tuple(LAYOUTS), "exit_criterion": CRITERIA}

@@ -2,7 +2,7 @@
 
 A decode stage's only per-stage input is its slots [N] (the scratch slot for padding), plus the
 items' tokens for a stage that embeds them (prelude, fused): the body gathers position, loop step
-and block table from the runner's persistent per-slot state (runner.batch_from), computes the KV
+and block table from the runner's persistent per-slot state (BatchState.gather), computes the KV
 rows on the device, and writes only the runner's static state and the KV layout. So a captured
 graph replays after one device-to-device copy of that input. All graphs share one memory pool.
 Warm-up and capture use the scratch slot only, so they never touch a real sequence's KV or state.

@@ -2,16 +2,19 @@
 
 - `kv_cache_tokens` / `kv_cache_bytes` given: that, exactly.
 - CUDA: vLLM's `gpu_memory_utilization`. With the weights loaded, one worst-case dummy prefill
-  (`max_prefill_tokens` tokens) and one dummy fused decode stage (`max_batch_size` tokens at
-  r_max loop steps) run on a one-block layout; the pool gets
+  (`EngineConfig.max_launch_tokens`: the largest launch admission can build) and one dummy fused
+  decode stage (`max_batch_size` tokens at r_max loop steps) run on a one-block layout; the pool gets
   `total x utilization - (memory in use: weights, CUDA context, other processes) - peak activations`.
-- CPU: `kv_cache_memory` bytes (default `CPU_KV_MEMORY`, 512 MiB).
+- CPU: `kv_cache_memory` bytes (EngineConfig.resolve sets its default, `CPU_KV_MEMORY`).
 The per-slot state buffers (loop state, injection, exit-criterion memory) come out of the same
 budget. Neither `max_batch_size` nor the context length multiplies into the pool: the pool is
 what the budget holds, and `max_model_len` is lowered to it when the context would not fit.
+`size_pool` decides the three pool-dependent settings of a resolved config (kv_cache_tokens,
+max_model_len, swap_space), once, and returns the final config the engine runs with.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -24,7 +27,6 @@ from . import stages
 from .config import EngineConfig
 from .stages import TokenBatch
 
-CPU_KV_MEMORY = 512 * 2**20
 log = logging.getLogger("infer.engine")
 
 
@@ -44,7 +46,7 @@ def cuda_budget(model: LoopedLM, c: EngineConfig) -> int:
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
     layout = make_layout(c.kv_layout, cfg, c.block_size, model.dtype, dev)  # one block: rows wrap around it
-    n = min(c.max_prefill_tokens, c.max_model_len)
+    n = c.max_launch_tokens()
     pos = torch.arange(n, device=dev)
     rows = pos % c.block_size
     batch = TokenBatch(ids=torch.zeros(n, dtype=torch.long, device=dev), positions=pos, rows=rows,
@@ -64,10 +66,14 @@ def cuda_budget(model: LoopedLM, c: EngineConfig) -> int:
     return int(total * c.gpu_memory_utilization) - (total - free) - peak
 
 
-def pool_blocks(model: LoopedLM, c: EngineConfig) -> tuple[int, str, int]:
-    """(number of KV blocks, the setting that sized them, bytes per token of the layout).
-    Raises ParamError naming the numbers when the budget cannot hold one block."""
-    bpt = layout_class(c.kv_layout).bytes_per_row(model.cfg, model.dtype)
+def kv_bytes_per_token(model: LoopedLM, kv_layout: str) -> int:
+    return layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
+
+
+def pool_blocks(model: LoopedLM, c: EngineConfig) -> tuple[int, str]:
+    """(number of KV blocks, the setting that sized them) of a resolved config. Raises ParamError
+    naming the numbers when the budget cannot hold one block."""
+    bpt = kv_bytes_per_token(model, c.kv_layout)
     slots = (c.max_batch_size + 1) * state_slot_bytes(model, c.exit_criterion)
     if c.kv_cache_tokens is not None:
         tokens, knob, budget = c.kv_cache_tokens, "kv_cache_tokens", None
@@ -77,7 +83,7 @@ def pool_blocks(model: LoopedLM, c: EngineConfig) -> tuple[int, str, int]:
         elif model.device.type == "cuda":
             knob, budget = "gpu_memory_utilization", cuda_budget(model, c) - slots
         else:
-            knob, budget = "kv_cache_memory", (c.kv_cache_memory or CPU_KV_MEMORY) - slots
+            knob, budget = "kv_cache_memory", c.kv_cache_memory - slots
         tokens = max(0, budget) // bpt
     n = tokens // c.block_size
     if n < 1:
@@ -85,14 +91,20 @@ def pool_blocks(model: LoopedLM, c: EngineConfig) -> tuple[int, str, int]:
         raise ParamError(knob, f"the KV pool budget ({knob}) holds {got}, less than one block of {c.block_size} "
                                f"tokens x {bpt} bytes per token ({c.kv_layout}) = {c.block_size * bpt} bytes; "
                                f"raise {knob} or lower block_size")
-    return n, knob, bpt
+    return n, knob
 
 
-def fit_model_len(c: EngineConfig, pool_tokens: int, knob: str) -> int:
-    """`max_model_len`, lowered (with one warning line) to the pool's tokens when it does not fit."""
-    if c.max_model_len <= pool_tokens:
-        return c.max_model_len
-    more = knob if knob == "kv_cache_tokens" else f"{knob} or kv_cache_tokens"
-    log.warning("max_model_len lowered from %d to %d: the KV pool (%s) holds %d tokens; raise %s, or set "
-                "max_model_len", c.max_model_len, pool_tokens, knob, pool_tokens, more)
-    return pool_tokens
+def size_pool(model: LoopedLM, c: EngineConfig) -> EngineConfig:
+    """The final config of a resolved one: the pool in whole blocks (kv_cache_tokens),
+    max_model_len lowered (with one warning line) to what the pool holds, and the swap space
+    (default: the pool's bytes)."""
+    n, knob = pool_blocks(model, c)
+    pool_tokens = n * c.block_size
+    model_len = c.max_model_len
+    if model_len > pool_tokens:
+        more = knob if knob == "kv_cache_tokens" else f"{knob} or kv_cache_tokens"
+        log.warning("max_model_len lowered from %d to %d: the KV pool (%s) holds %d tokens; raise %s, or set "
+                    "max_model_len", model_len, pool_tokens, knob, pool_tokens, more)
+        model_len = pool_tokens
+    swap = c.swap_space if c.swap_space is not None else pool_tokens * kv_bytes_per_token(model, c.kv_layout)
+    return dataclasses.replace(c, kv_cache_tokens=pool_tokens, max_model_len=model_len, swap_space=swap)

@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_layouts import DEFAULT_LAYOUT, make_layout
+from kv_layouts import DEFAULT_LAYOUT, layout_class, make_layout
 from looplm.model import LoopedLM
 from looplm.policy import ExitPolicy, ExitTracker
 from looplm.sampling import choose_token
 
 from . import stages
-from .config import is_full_depth
 from .stages import TokenBatch
 
 
@@ -49,7 +48,7 @@ def reference_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: i
     cfg, dev = model.cfg, model.device
     if not prompt_ids:
         raise ValueError("empty prompt")
-    if is_full_depth(kv_layout=kv_layout):
+    if layout_class(kv_layout).disables_exits:  # the layout decides (as in EngineConfig.resolve)
         policy = ExitPolicy("none", None, policy.r_max, policy.r_max)
     L = len(prompt_ids)
     n_rows = min(L + max_new_tokens, cfg.max_position)

@@ -85,12 +85,14 @@ class Work:
     # decode sequences whose block table grew at its end since the previous Work (one block on
     # crossing into it): the runner sends only the new entries
     grown: list[Sequence] = field(default_factory=list)
+    # prompts aborted while prefilling since the previous Work: the runner drops their chunk state
+    released: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_position: int, pipeline: bool = False,
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_model_len: int, pipeline: bool = False,
                  swap_blocks: int | None = None, r_full: int = 0):
-        self.cfg, self.blocks, self.max_position, self.pipeline = cfg, blocks, max_position, pipeline
+        self.cfg, self.blocks, self.max_model_len, self.pipeline = cfg, blocks, max_model_len, pipeline
         self.swap_blocks = blocks.num_blocks if swap_blocks is None else swap_blocks  # host budget, in blocks
         self.watermark = 0 if cfg.reserve_kv else int(cfg.watermark * blocks.num_blocks)
         self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
@@ -98,11 +100,12 @@ class Scheduler:
         self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
         self.changed: list[Sequence] = []  # slot or block table changed since the last Work (Work.changed)
         self.grown: list[Sequence] = []  # block table grew since the last Work (Work.grown)
+        self.released: list[Sequence] = []  # aborted while prefilling since the last Work (Work.released)
         self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
                          "swap_overcommits": 0}
         # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
-        self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill_enabled, r_full, blocks, max_position,
-                                   cfg.reserve_kv, cfg.prefix_caching_enabled, self.counters)
+        self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
+                                   cfg.reserve_kv, cfg.enable_prefix_caching, self.counters)
                        if cfg.prefill == "mixed" else None)
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
@@ -153,6 +156,8 @@ class Scheduler:
                 break
         if self.chunks is not None:
             self.chunks.drop(seq)
+            if seq.slot >= 0 and not seq.output_ids:  # admitted, prompt not done: the runner holds chunk state
+                self.released.append(seq)
         if seq.blocks or seq.slot >= 0:
             self.blocks.free(seq.blocks, seq.slot)
             seq.blocks, seq.slot = [], -1
@@ -181,6 +186,8 @@ class Scheduler:
                 work.changed, self.changed = self.changed, []
             if self.grown:
                 work.grown, self.grown = self.grown, []
+            if self.released:
+                work.released, self.released = self.released, []
         return work
 
     def _schedule_mixed(self) -> Work | None:
@@ -251,7 +258,7 @@ class Scheduler:
             n = len(seq.prompt_ids)
             if batch and tokens + n > self.cfg.max_prefill_tokens:
                 break
-            need = seq.reserved_tokens(self.max_position) if self.cfg.reserve_kv else n
+            need = seq.reserved_tokens(self.max_model_len) if self.cfg.reserve_kv else n
             if not self.blocks.can_allocate(need, self._keep_free(len(batch))):
                 break  # FIFO: the head waits for memory, nobody overtakes it
             seq.blocks, seq.slot = self.blocks.allocate(need)

@@ -50,7 +50,6 @@ class Sequence:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token (params.top_logprobs)
-    prompt_logits: object = None  # [len(prompt), V] from the prefill when params.prompt_logprobs is set
     prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first prompt token
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
@@ -65,7 +64,6 @@ class Sequence:
     prefilled: int = 0  # mixed prefill: prompt positions whose KV is complete (chunks.py)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: digests of full prompt blocks
     chunk: tuple[int, int] | None = None  # mixed prefill: the prompt positions [start, end) in flight
-    chunk_state: object = None  # mixed prefill: the runner's loop state of the chunk's positions
     step_scored: int = 0  # pipelined core: steps whose exit score the tracker has seen
     tracker: ExitTracker | None = None
     text: str = ""  # detokenized output (when a tokenizer is attached)
@@ -77,10 +75,10 @@ class Sequence:
     forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
     forced_greedy: bool = True  # teacher forcing: every forced token so far was the argmax
     generator: object = None  # the request's torch.Generator (sampling with a seed)
-    # set by LLMEngine.add_request for the per-token hot path (llm_engine.py: _emit, sampler.py)
+    # set by OutputProcessor.add for the per-token loop (output.py, sampler.py)
     stop_ids: frozenset = frozenset()  # stop token ids (with the EOS ids unless ignore_eos)
     max_out: int = 0  # output tokens at which it stops for length (max_tokens, capped by the context)
-    simple: bool = False  # no forced tokens, log-probs or text: a token, its depth and the checks above
+    extras: bool = False  # teacher-forced or asks for log-probs: OutputProcessor._extras handles its row
     sampled: bool = False  # temperature > 0 and not teacher-forced
 
     @property
@@ -105,6 +103,6 @@ class Sequence:
         """Recompute `room` after the block table got blocks (allocated or grown)."""
         self.room = len(self.blocks) * block_size - len(self.prompt_ids)
 
-    def reserved_tokens(self, max_position: int) -> int:
+    def reserved_tokens(self, max_model_len: int) -> int:
         """KV rows the request can ever use: prompt + outputs, capped by the context."""
-        return min(len(self.prompt_ids) + self.params.max_tokens, max_position)
+        return min(len(self.prompt_ids) + self.params.max_tokens, max_model_len)

@@ -1,0 +1,242 @@
+"""The device batch state: per-slot decode metadata kept on the device across stages (vLLM V1's
+persistent batch), and the one host-to-device upload of a stage.
+
+Position, loop step and block table of the sequence in each state slot live in one flat long
+tensor. A stage sends, in one copy, its slots, the last tokens of its items if it embeds them
+(prelude, fused), the metadata of the sequences the scheduler reports in `Work.changed` (admitted,
+swapped in, resumed) or that were invalidated, and the new block-table entries of those in
+`Work.grown`; nothing else is per item. Positions advance on the device: a prelude (or fused)
+launch moves each of its slots one position on, since every decode token passes through exactly
+one. The host keeps no per-token mirror: it knows which block tables it sent (`_own`, `_nblk`),
+and the context length of a batch is its longest block table.
+
+The incremental state is a cache of what the Sequences say; `check(seqs)` is its oracle: it
+rebuilds the state of `seqs` from scratch and compares it with the device's (tests call it after
+every decode launch).
+"""
+from __future__ import annotations
+
+from array import array
+from itertools import chain, repeat
+from typing import Callable
+
+import torch
+
+from .sequence import Sequence, Stage
+from .stages import PagedContext, TokenBatch
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class BatchState:
+    def __init__(self, num_slots: int, block_size: int, max_position: int, num_blocks: int, scratch_row: int,
+                 padded: Callable[[int], int], device: torch.device):
+        """`num_slots` state slots, the last of which is the scratch slot of padding items (its
+        table stays 0, its rows are the layout's `scratch_row`); `padded(n)`: the padded batch size."""
+        S, B = num_slots, block_size
+        # a table's width: the most blocks one sequence can hold (the model's context, or the whole
+        # pool when that is smaller: a 65,536-token checkpoint on a pool of a few hundred tokens)
+        MB = min(-(-max_position // B), num_blocks)
+        self.block_size, self.device, self.padded, self.scratch_row = B, device, padded, scratch_row
+        self.scratch_slot = S - 1
+        long = dict(dtype=torch.long, device=device)
+        # one flat tensor: [S, 2] (position, loop step), then the block tables [S, MB], so that the
+        # rewrites of a stage are one index_copy_ of (flat index, value) pairs
+        self._flat = torch.zeros(S * 2 + S * MB, **long)
+        self.slot_meta = self._flat[:2 * S].view(S, 2)
+        self.pos, self.step = self.slot_meta.unbind(1)
+        self.bt = self._flat[2 * S:].view(S, MB)
+        self._j = torch.arange(MB * B, **long)  # context offsets, sliced per stage
+        # paged attention (stages.paged_attention): decode attention reads each item's own blocks
+        # through the block tables instead of gathering every context to the longest. Off by
+        # default: on CUDA it needs scripts/gpu_check.py's parity and speed check first.
+        self.paged = False
+        self.flex = None  # a compiled flex_attention for paged attention on CUDA (ModelRunner.enable_paged)
+        # inverse page table: each block's index in its owner's table (one entry more: the block of
+        # the layout's scratch row); stale entries of freed blocks are harmless (see PagedContext)
+        self.page_index = torch.zeros(num_blocks + 1, **long)
+        self._own: list[Sequence | None] = [None] * S  # whose block table the device holds, per slot
+        self._nblk = [0] * S  # how many entries of it
+        self._redo: list[Sequence] = []  # to rewrite at the next upload (Work.changed, invalidate)
+        self._grown: list[Sequence] = []  # new block-table entries to send at the next upload (Work.grown)
+        self._prev: tuple = (None, None, 0)  # the last upload (seqs, slots, context blocks): see upload
+        self.attention_stats: dict | None = None  # see _count_attention
+
+    def to_device(self, xs: list | array | torch.Tensor) -> torch.Tensor:
+        """Host ints -> a long tensor on the device (on CUDA: pinned, asynchronous). An array('q')
+        converts 3x faster than a list (torch.tensor walks the list item by item)."""
+        if isinstance(xs, array):
+            xs = torch.frombuffer(xs, dtype=torch.long) if len(xs) else torch.zeros(0, dtype=torch.long)
+        if self.device.type != "cuda":
+            return xs if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long)
+        t = xs.pin_memory() if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long, pin_memory=True)
+        return t.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ what changed
+    def note(self, changed: list[Sequence], grown: list[Sequence]) -> None:
+        """A Work's `changed` (rewritten whole) and `grown` (new table entries) sequences, sent at
+        this or the next upload."""
+        if changed:
+            self._redo += changed
+        if grown:
+            self._grown += grown
+
+    def invalidate(self, slot: int) -> None:
+        """Forget what the device holds for `slot`: its sequence's metadata and whole block table are
+        rewritten at the next upload (call it when they change behind the scheduler's back)."""
+        s = self._own[slot]
+        self._own[slot] = None
+        if s is not None:
+            self._redo.append(s)
+
+    def invalidate_all(self) -> None:
+        for sl, n in enumerate(self._nblk):
+            if n:
+                self.invalidate(sl)
+
+    # ------------------------------------------------------------------ the upload
+    def upload(self, seqs: list[Sequence], tokens: bool = False, context: bool = True) -> tuple[torch.Tensor, int]:
+        """Bring the per-slot state up to date with one host-to-device copy. Returns the stage's
+        input, the padded batch's slots [N] (padding: the scratch slot), followed with `tokens` by
+        each item's last token [N], and its context length in blocks (1 without `context`: a stage
+        with no attention layer, Ouro's prelude, reads none). A stage over the same
+        sequences as the previous one with nothing to send (consecutive core steps) reuses the
+        previous slots: no copy, no per-item work."""
+        redo, grown = self._redo, self._grown
+        if not tokens and not redo and not grown and seqs == self._prev[0]:  # identity compare, C speed
+            if self.attention_stats is not None:
+                self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
+            return self._prev[1], self._prev[2]
+        own, nblk, MB, S = self._own, self._nblk, self.bt.shape[1], self.slot_meta.shape[0]
+        idx: list[int] = []  # flat indices into _flat (position, loop step, block-table entries)
+        val: list[int] = []
+        new_pages: list[int] = []  # (block, its index in the table) for the paged path's inverse table
+        # rewrites (redo: position, loop step, and the table from what the device holds of it) and
+        # growth (grown: the new table entries only; the device holds the rest, the position and
+        # the loop step, unless the table never reached it: admitted or swapped in since)
+        for s, meta in chain(zip(grown, repeat(False)), zip(redo, repeat(True))) if grown or redo else ():
+            sl = s.slot
+            if sl < 0:  # finished or swapped out since
+                continue
+            blocks = s.blocks
+            held = own[sl] is s and nblk[sl] <= len(blocks)
+            if meta or not held:
+                idx += (2 * sl, 2 * sl + 1)
+                val += (self.position_of(s), s.step)
+            own[sl] = s
+            for c in range(nblk[sl] if held else 0, len(blocks)):
+                idx.append(2 * S + sl * MB + c)
+                val.append(blocks[c])
+                new_pages += (blocks[c], c)
+            nblk[sl] = len(blocks)
+        if grown:
+            self._grown = []
+        if redo:
+            self._redo = []
+        slots = [s.slot for s in seqs]
+        nb = max(map(nblk.__getitem__, slots)) if context and slots else 1
+        n, N = len(seqs), self.padded(len(seqs))
+        head = slots + [self.scratch_slot] * (N - n)
+        if tokens:  # the token each item embeds: its last output
+            head += [s.output_ids[-1] for s in seqs] + [0] * (N - n)
+        k = len(idx)
+        buf = self.to_device(array("q", head + idx + val + new_pages if self.paged else head + idx + val))
+        h = len(head)
+        if k:
+            self._flat.index_copy_(0, buf[h:h + k], buf[h + k:h + 2 * k])
+            if self.paged:
+                pg = buf[h + 2 * k:].view(-1, 2)
+                self.page_index.index_copy_(0, pg[:, 0], pg[:, 1])
+        inp = buf[:h] if k else buf
+        if self.attention_stats is not None and context:  # (a stage without attention reads no KV)
+            self._count_attention(seqs, N, nb)
+        self._prev = (seqs, inp[:N] if tokens else inp, nb) if context else (None, None, 0)
+        return inp, nb
+
+    @staticmethod
+    def position_of(s: Sequence) -> int:
+        """The device position of a sequence: that of the last token whose prelude ran (a decode
+        token waiting in the prelude queue has not had it yet; a prompt's first prelude gives
+        position L)."""
+        out = s.output_ids
+        return len(s.prompt_ids) + len(out) - (2 if out and s.stage is Stage.PRELUDE else 1)
+
+    def _count_attention(self, seqs: list[Sequence], N: int, nb: int) -> None:
+        """Decode attention traffic of one stage, in KV rows per attention layer: what the SDPA path
+        reads (N x L, padded), what a paged kernel reads (whole blocks of each context), and the
+        real context sum. Off unless `attention_stats` is a dict (bench_host turns it on)."""
+        B, st = self.block_size, self.attention_stats
+        ctx = [s.num_tokens for s in seqs]
+        st["stages"] = st.get("stages", 0) + 1
+        st["rows_read"] = st.get("rows_read", 0) + N * self.ctx_blocks(nb) * B
+        st["rows_paged"] = st.get("rows_paged", 0) + sum(-(-c // B) * B for c in ctx)
+        st["context"] = st.get("context", 0) + sum(ctx)
+
+    def ctx_blocks(self, nb: int) -> int:
+        """Context blocks the SDPA path attends (on CUDA, a few power-of-two buckets so that graphs
+        and kernels see a handful of shapes)."""
+        if self.device.type == "cuda":
+            nb = min(next_pow2(nb), self.bt.shape[1])
+        return nb
+
+    # ------------------------------------------------------------------ on the device
+    def rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """KV rows of positions `pos` of the sequences in `slots` (the scratch row for padding)."""
+        B = self.block_size
+        rows = self.bt[slots, pos // B] * B + pos % B
+        return torch.where(slots == self.scratch_slot, self.scratch_row, rows)
+
+    def gather(self, stage: Stage, inp: torch.Tensor, nb: int, paged: bool | None = None
+               ) -> tuple[torch.Tensor, TokenBatch]:
+        """The stage's slots and TokenBatch, gathered on the device from the per-slot state (inside
+        the CUDA graph when graphs are used): ids, positions, rows, loop steps, context rows
+        [N, nb * B] (or, `paged`, the block tables). A stage that embeds tokens (`inp` = slots +
+        tokens) first moves each real slot one position on: the token it embeds is the one after
+        its previous position."""
+        B = self.block_size
+        if stage.reads_tokens:
+            N = inp.shape[0] // 2
+            slots, ids = inp[:N], inp[N:]
+            self.pos.index_add_(0, slots, (slots != self.scratch_slot).long())
+        else:
+            slots, ids = inp, None
+        pos = self.pos[slots]
+        steps = self.step[slots] + 1 if stage is Stage.CORE else torch.ones_like(pos)
+        batch = TokenBatch(ids=pos if ids is None else ids, positions=pos, rows=self.rows(slots, pos), steps=steps,
+                           ctx_len=pos + 1)  # (only the prelude reads ids)
+        if self.paged if paged is None else paged:
+            batch.paged = PagedContext(self.bt[slots][:, :nb], self.page_index, B, flex=self.flex)
+        else:
+            j = self._j[: nb * B]
+            batch.ctx_rows = self.bt[slots][:, :nb][:, j // B] * B + j % B
+        return slots, batch
+
+    # ------------------------------------------------------------------ the oracle
+    def check(self, seqs: list[Sequence]) -> None:
+        """The oracle of the incremental state, after a decode launch over `seqs` (before the
+        scheduler's postprocess): rewrite everything these sequences own from the Sequences alone
+        (position = the last token's, every block-table entry, the inverse page entries when paged)
+        and compare with what the device holds; raises AssertionError naming the first mismatch."""
+        if not seqs:
+            return
+        S, MB = self.slot_meta.shape[0], self.bt.shape[1]
+        slots = [s.slot for s in seqs]
+        want_pos = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long)
+        want_bt = torch.zeros(len(seqs), MB, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            assert 0 <= s.slot < S - 1, f"{s.request_id}: slot {s.slot}"
+            assert self._own[s.slot] is s and self._nblk[s.slot] == len(s.blocks), \
+                f"{s.request_id}: the host's record of slot {s.slot} is not its table ({self._nblk[s.slot]} entries)"
+            want_bt[i, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
+        got_pos = self.pos[slots].cpu()
+        got_bt = self.bt[slots].cpu()
+        for i, s in enumerate(seqs):
+            n = len(s.blocks)
+            assert int(got_pos[i]) == int(want_pos[i]), \
+                f"{s.request_id}: device position {int(got_pos[i])}, the sequence's {int(want_pos[i])}"
+            assert got_bt[i, :n].tolist() == want_bt[i, :n].tolist(), \
+                f"{s.request_id}: device block table {got_bt[i, :n].tolist()}, the sequence's {s.blocks}"
+            if self.paged:
+                assert self.page_index[s.blocks].tolist() == list(range(n)), f"{s.request_id}: inverse page table"

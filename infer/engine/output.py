@@ -1,0 +1,175 @@
+"""The output processor: a stage's logits -> each sequence's next token, its exit depth, log-probs,
+text, and whether it stops (vLLM V1's OutputProcessor, with the sampler call).
+
+One loop over the rows of a stage that emits (decode items first, then prompts whose first token
+it samples, at full depth), one set of stop rules: a stop token (the request's stop ids, with the
+EOS ids unless `ignore_eos`), the length (`max_tokens`, capped by the context), and, with a
+tokenizer attached, the stop strings in the incrementally decoded text. The loop runs once per
+item per coda: what every row pays is a few attribute reads; rows with anything more
+(teacher-forced tokens, log-probs: `Sequence.extras`) get a pass of their own first, and with a
+tokenizer each row calls out for its text.
+"""
+from __future__ import annotations
+
+import time
+from operator import attrgetter
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampler import Sampler
+from .sampling import find_stop
+from .scheduler import Work
+from .sequence import Sequence, Stage
+
+if TYPE_CHECKING:
+    from .runner import Emitted
+
+_step = attrgetter("step")
+
+
+def top_logprobs(logp: torch.Tensor, k: int, tok: int) -> dict[int, float]:
+    """The k most likely tokens of one position's log-probs [V], plus the chosen token (vLLM's rule)."""
+    vals, ids = logp.topk(min(k, logp.shape[-1])) if k else (logp[:0], logp[:0].long())
+    out = dict(zip(ids.tolist(), vals.tolist()))
+    out.setdefault(tok, float(logp[tok]))
+    return out
+
+
+def prompt_logprobs(s: Sequence, logits: torch.Tensor) -> None:
+    """The prompt's log-probs from the prefill's logits [L, V] at every position (vLLM's
+    prompt_logprobs): token j > 0 is scored by position j-1's logits; the first token has none."""
+    logp = torch.log_softmax(logits.double(), -1)
+    ids, k = s.prompt_ids, s.params.prompt_logprobs
+    s.prompt_logprobs = [None] + logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)].tolist()
+    s.prompt_top_logprobs = [None] + [top_logprobs(logp[j], k, ids[j + 1]) for j in range(len(ids) - 1)]
+
+
+class OutputProcessor:
+    def __init__(self, sampler: Sampler, tokenizer, eos_ids: Iterable[int], max_model_len: int, r_full: int,
+                 seed: int, stats: dict):
+        """`r_full`: the depth of a prompt's first token; `stats`: the engine's token counters
+        (`tokens`, `depth_sum`: decode tokens only)."""
+        self.sampler, self.tokenizer = sampler, tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.max_model_len, self.r_full, self.seed, self.stats = max_model_len, r_full, seed, stats
+        self.sampling: set[int] = set()  # seq_ids of the unfinished requests that sample (Sequence.sampled)
+        self.extras: set[int] = set()  # seq_ids of the unfinished requests with extras (Sequence.extras)
+        self._detok: dict[int, IncrementalDetokenizer] = {}  # by seq_id, while a request decodes
+
+    def add(self, s: Sequence) -> None:
+        """A new request: what the per-token loop reads, decided once."""
+        p = s.params
+        s.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+        s.max_out = min(p.max_tokens, self.max_model_len - len(s.prompt_ids))
+        s.extras = s.forced is not None or bool(p.logprobs)
+        s.sampled = p.temperature > 0 and s.forced is None
+        s.generator = torch.Generator().manual_seed(p.seed if p.seed is not None
+                                                    else self.seed * 1_000_003 + s.seq_id)
+        if s.sampled:
+            self.sampling.add(s.seq_id)
+        if s.extras:
+            self.extras.add(s.seq_id)
+
+    def process(self, work: Work, out: Emitted) -> dict[int, str]:
+        """Sample the next token of each row of a stage that emits and apply it to its sequence;
+        returns the finish reason of each sequence (by seq_id) that stops."""
+        seqs = work.seqs + work.finals if work.finals else work.seqs  # finals: prompt chunks' first tokens
+        logits, prompt = out
+        chosen = self.sampler(logits, seqs, bool(self.sampling))  # one batched call, one device-to-host copy
+        now = time.perf_counter()
+        n = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # decode rows; the rest: first tokens
+        fused, r_full, text = work.r_max if work.stage is Stage.FUSED else 0, self.r_full, self.tokenizer is not None
+        if n < len(seqs):  # prompts' first tokens
+            for s in seqs[n:]:
+                s.first_token_time = now
+                if prompt is not None and s.seq_id in prompt:
+                    prompt_logprobs(s, prompt[s.seq_id])
+        if self.extras:  # a running request wants forced tokens or log-probs: those rows first
+            self._extras(seqs, chosen, logits)
+        finished: dict[int, str] = {}
+        for s, tok in zip(seqs, chosen):
+            out_ids = s.output_ids
+            out_ids.append(tok)
+            # the exit depth: a decode item's loop steps (fused: the iteration's); a prompt's first
+            # token is at full depth (a prefill's prompt has no loop steps, a final chunk has r_full)
+            s.exit_depths.append(fused or s.step or r_full)
+            s.token_times.append(now)
+            # the stop rules
+            if tok in s.stop_ids:
+                reason = "stop"
+            elif len(out_ids) >= s.max_out:
+                reason = "length"
+            elif text:
+                reason = None
+            else:
+                continue
+            if text:
+                reason = self._text(s, reason)
+            if reason is not None:
+                finished[s.seq_id] = reason
+                self.finish(s, now)
+        self.stats["tokens"] += n  # the prompts' full-depth tokens stay out of the mean exit depth
+        if n:  # (summed in C, not in the loop above)
+            self.stats["depth_sum"] += fused * n if fused else sum(map(_step, work.seqs))
+        return finished
+
+    def _extras(self, seqs: list[Sequence], chosen: list[int], logits: torch.Tensor) -> None:
+        """Teacher forcing (the row's token becomes the forced one) and log-probs of the rows whose
+        request asks for them (`Sequence.extras`)."""
+        logp = None  # the stage's log-probs, computed for the first row that asks for them
+        for i, s in enumerate(seqs):
+            if not s.extras:
+                continue
+            p, tok = s.params, chosen[i]
+            if s.forced is not None:  # the sampler gave the argmax: was the forced token the greedy one?
+                forced = s.forced[len(s.output_ids)]
+                s.forced_greedy = s.forced_greedy and tok == forced
+                chosen[i] = tok = forced
+            if p.logprobs:
+                if logp is None:
+                    logp = torch.log_softmax(logits.double(), -1)
+                s.logprobs.append(float(logp[i, tok]))
+                if p.top_logprobs:
+                    s.top_logprobs.append(top_logprobs(logp[i], p.top_logprobs, tok))
+
+    def _text(self, s: Sequence, reason: str | None) -> str | None:
+        """The text after the new token, and the stop-string rule: a stop string ends the text
+        before it; a stop token is not part of the text."""
+        detok = self._detok.get(s.seq_id)
+        if detok is None:
+            detok = self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer)
+        out = s.output_ids
+        if reason == "stop":  # a stop token: the text ends before it
+            s.text = detok.finish(out[:-1])
+            return reason
+        s.text = detok.update(out)
+        stops = s.params.stop
+        if stops:  # only the new tail can complete a stop string (find_stop starts near stop_checked)
+            j = find_stop(s.text, stops, s.stop_checked)
+            s.stop_checked = len(s.text)
+            if j != -1:
+                s.text = s.text[:j]
+                return "stop"
+        if reason == "length":
+            s.text = detok.finish(out)
+        return reason
+
+    def finish(self, s: Sequence, now: float | None = None) -> None:
+        """The output side of a sequence that stops or is aborted (the scheduler frees its memory)."""
+        s.finish_time = time.perf_counter() if now is None else now
+        self._detok.pop(s.seq_id, None)
+        self.sampling.discard(s.seq_id)
+        self.extras.discard(s.seq_id)
+
+    def check(self, seqs: Iterable[Sequence]) -> None:
+        """The oracle of the incremental bookkeeping: the set of sampling requests and the
+        detokenizers held, rebuilt from the sequences (an AssertionError on a mismatch)."""
+        seqs = list(seqs)
+        want = {s.seq_id for s in seqs if s.sampled and not s.finished}
+        assert self.sampling == want, f"sampling requests {sorted(self.sampling)}, the sequences say {sorted(want)}"
+        want = {s.seq_id for s in seqs if s.extras and not s.finished}
+        assert self.extras == want, f"requests with extras {sorted(self.extras)}, the sequences say {sorted(want)}"
+        live = {s.seq_id for s in seqs if not s.finished}
+        assert set(self._detok) <= live, f"detokenizers of finished requests {sorted(set(self._detok) - live)}"

@@ -1,0 +1,157 @@
+"""What the engine tests share: the tiny float64 models, seeded request builders, the sequential
+reference's outputs, the policy x KV layout x lookahead grid, and the staggered-arrival driver
+(requests join a running engine a few at a time at seeded random steps, so every test sees
+admissions mid-decode). Every seed is a number or a zlib.crc32 of a name, never `hash()`."""
+import functools
+import random
+import zlib
+
+import torch
+
+from infer import SamplingParams
+from infer.engine.sequence import Sequence, Stage
+from infer.engine.reference import reference_generate
+from looplm import ExitPolicy, tiny_model
+
+ARCHS = ["ouro-tiny", "huginn-tiny"]
+THRESHOLD = 0.55  # the exit threshold of the equality tests: exits really vary on these models
+MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
+         "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
+         "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
+MODES_KBIG = {**MODES, "refill_kbig": dict(policy="cdb", refill=True, min_coda_batch=1000)}  # K above any batch
+LAYOUTS = ["last_exited", "shared", "full_depth"]
+
+
+def fresh_model(arch="ouro-tiny", **kw):
+    """A new tiny float64 model (std 0.15, seed 3): for a test that changes it (.cuda(), training)."""
+    return tiny_model(arch, **{"dtype": torch.float64, "std": 0.15, "seed": 3, **kw})
+
+
+@functools.lru_cache(maxsize=None)
+def model(arch="ouro-tiny"):
+    """The shared `fresh_model(arch)`, built once per process; tests only read it."""
+    return fresh_model(arch)
+
+
+def stable_seed(*parts) -> int:
+    """A seed in 0..999 from a test's parameters, the same in every run (unlike `hash()`)."""
+    return zlib.crc32("/".join(map(str, parts)).encode()) % 1000
+
+
+def random_requests(seed, n=6, prompt_len=(1, 12), max_new=(1, 9), low=1):
+    """`n` requests [(prompt ids in low..255, max_tokens)] drawn from random.Random(seed)."""
+    rng = random.Random(seed)
+    return [([rng.randrange(low, 256) for _ in range(rng.randint(*prompt_len))], rng.randint(*max_new))
+            for _ in range(n)]
+
+
+def policy(arch, lookahead=False, full=False, threshold=THRESHOLD):
+    return ExitPolicy.from_config(model(arch).cfg, threshold=threshold, lookahead=lookahead, full_depth=full)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch, layout, lookahead, full, seed, **shape):
+    """The sequential reference decoder's outputs for `random_requests(seed, **shape)` (cached)."""
+    m, pol = model(arch), policy(arch, lookahead, full)
+    return [reference_generate(m, p, n, pol, kv_layout=layout) for p, n in random_requests(seed, **shape)]
+
+
+def runs(mode, layout, lookahead):
+    """Whether the engine runs this combination: CB fuses the loop at full depth (no lookahead, no
+    full_depth layout of its own); full_depth keeps every depth's KV, so exits need no lookahead."""
+    return not (mode == "cb" and (lookahead or layout == "full_depth")) and not (layout == "full_depth" and lookahead)
+
+
+def grid(modes=MODES, layouts=LAYOUTS, archs=None):
+    """Every (mode, layout, lookahead) the engine runs, mode-major; with `archs`, (arch, mode,
+    layout, lookahead) for each arch in turn."""
+    cases = [(m, lay, la) for m in modes for lay in layouts for la in (False, True) if runs(m, lay, la)]
+    return cases if archs is None else [(a, *c) for a in archs for c in cases]
+
+
+def engine_settings(mode, layout, lookahead, pipeline=None, **kw):
+    """EngineConfig keywords for one grid point (`pipeline` defaults to lookahead outside CB)."""
+    if pipeline is None:
+        pipeline = lookahead and mode != "cb"
+    return dict(kv_layout=layout, exit_threshold=THRESHOLD, lookahead=lookahead, pipeline=pipeline,
+                **MODES_KBIG[mode], **kw)
+
+
+def run_staggered(eng, reqs, seed, join=0.4, burst=3, **params):
+    """Run `reqs` [(prompt, max_tokens)]: at each step, with probability `join` (always when the
+    engine is idle), 1..`burst` more arrive. Returns the Sequences in input order. `params`: more
+    SamplingParams for every request (default: ignore_eos, logprobs)."""
+    rng = random.Random(seed)
+    pending, seqs, steps = list(enumerate(reqs)), {}, 0
+    while pending or eng.has_unfinished():
+        if pending and (not eng.has_unfinished() or rng.random() < join):
+            for _ in range(rng.randint(1, burst)):
+                if pending:
+                    i, (p, n) = pending.pop(0)
+                    seqs[i] = eng.add_request(p, SamplingParams(**{"ignore_eos": True, "logprobs": True, **params,
+                                                                   "max_tokens": n}))
+        eng.step()
+        steps += 1
+        assert steps < 20000, "engine made no progress"
+    return [seqs[i] for i in range(len(reqs))]
+
+
+def triples(seqs):
+    """(tokens, exit depths, log-probs) of each Sequence."""
+    return [(s.output_ids, s.exit_depths, s.logprobs) for s in seqs]
+
+
+def assert_same(want, got, tol=1e-9):
+    """Two runs' triples: tokens and exit depths equal, log-probs within `tol`."""
+    assert len(want) == len(got)
+    for i, ((t1, d1, l1), (t2, d2, l2)) in enumerate(zip(want, got)):
+        assert t1 == t2 and d1 == d2, f"request {i}"
+        assert max(abs(a - b) for a, b in zip(l1, l2)) < tol, f"request {i}"
+
+
+def exits_vary(results, at_least=2):
+    """Whether the decode tokens of `results` (triples) left the loop at >= `at_least` depths."""
+    return len({d for _, ds, _ in results for d in ds[1:]}) >= at_least
+
+
+# ---------------------------------------------------------------- scheduler alone (pure Python)
+class FakeScores:
+    """Exit scores handed to Scheduler.postprocess in place of the runner's device tensor."""
+
+    def __init__(self, xs):
+        self.xs = xs
+
+    def get(self):
+        return self.xs
+
+
+def arrive_or_abort(sch, seqs, rng, total, prompt, max_tokens, pol, ids):
+    """One step of a scheduler test's random traffic: with probability 0.2 (until `total` have
+    arrived) a new Sequence with `prompt(rng)` and max_tokens drawn from `max_tokens` (a range);
+    with probability 0.01 a random earlier one is aborted (if not finished)."""
+    if len(seqs) < total and rng.random() < 0.2:
+        p = prompt(rng)
+        s = Sequence(next(ids), str(len(seqs)), p, SamplingParams(max_tokens=rng.randint(*max_tokens)), pol)
+        seqs.append(s)
+        sch.add(s)
+    if seqs and rng.random() < 0.01:
+        v = rng.choice(seqs)
+        if not v.finished:
+            sch.finish(v, "abort")
+
+
+def fake_postprocess(sch, work, rng, token, finals=False, max_len=64):
+    """Finish `work` as the engine would, without a model: a core step's exit scores drawn 0 / 1;
+    an emitting stage appends `token(rng)` to each item (and each final chunk with `finals`) and
+    finishes those at max_tokens or `max_len` tokens."""
+    if work.stage is Stage.CORE:
+        sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
+    elif work.stage.emits:
+        fin = {}
+        for s in (work.seqs + work.finals) if finals else work.seqs:
+            s.output_ids.append(token(rng))
+            if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= max_len:
+                fin[s.seq_id] = "length"
+        sch.postprocess(work, finished=fin)
+    else:
+        sch.postprocess(work)
