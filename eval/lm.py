@@ -98,14 +98,16 @@ class LoopedEvalLM(TemplateLM):
                        tokenizer=self._tokenizer(tokenizer), **{"max_batch_size": bs, **settings})
         c = self.llm.config
         self.settings = dict(exit_threshold=c.exit_threshold, r_min=c.r_min, r_max=r_max, lookahead=c.lookahead,
-                             kv_layout=c.kv_layout, policy=c.policy, full_depth=c.exits_disabled,
+                             kv_layout=c.kv_layout, policy=c.policy, full_depth=c.full_depth,
                              exit_criterion=c.exit_criterion)
         self.tokenizer = self.llm.tokenizer
         if self.tokenizer is None:
             raise ValueError(f"{pretrained!r} has no tokenizer: pass model_args tokenizer=<folder>")
         self.model = self.llm.model
         self._r_max_req = r_max if instance else None
-        self.max_length = self.model.cfg.max_position
+        # the engine's one context length (the checkpoint's, capped by what the KV pool holds): every
+        # loglikelihood window and generation prompt is cut to fit it, so each one can run
+        self.max_length = self.llm.engine.max_model_len
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _bool(add_bos_token)
         self.batch_size = bs
@@ -196,7 +198,7 @@ class LoopedEvalLM(TemplateLM):
 
     def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
         """Left-truncate so that context + continuation fit the context window (the engine stops a
-        sequence at max_position tokens)."""
+        sequence at max_model_len tokens)."""
         n = self.max_length
         if len(cont) >= n:
             log.warning("continuation of %d tokens truncated to the last %d", len(cont), n - 1)

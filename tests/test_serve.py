@@ -133,12 +133,14 @@ def test_chat_uses_template_and_streams(model_dir, client):
                               add_special_tokens=False))
     assert r.usage.prompt_tokens == n_prompt
     assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
-    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stream=True))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
-    assert sum(len(ch.choices[0].model_extra.get("token_ids", [])) for ch in chunks) == r.usage.completion_tokens
-    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
-    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    body = [ch for ch in chunks if ch.choices]
+    assert body[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in body) == r.choices[0].message.content
+    assert sum(len(ch.choices[0].model_extra.get("token_ids", [])) for ch in body) == r.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert body[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
 def test_completion_streaming_equals_nonstreaming(client):
@@ -150,7 +152,7 @@ def test_completion_streaming_equals_nonstreaming(client):
     assert [t for ch in body for t in ch.choices[0].token_ids] == full.token_ids
     assert [d for ch in body for d in ch.choices[0].exit_depths] == full.exit_depths
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(full.token_ids)
-    assert body[-1].usage.completion_tokens == len(full.token_ids)  # usage in the last chunk too
+    assert all(ch.usage is None for ch in body)  # usage once, in the final chunk (vLLM's, OpenAI's)
 
 
 def test_stop_strings_and_token_ids(client):
@@ -287,27 +289,37 @@ def test_disconnect_mid_stream_frees_kv(served):
     assert metrics(url)["cdb_generation_tokens_total"] - before < 500  # aborted before the end
 
 
-def test_64_concurrent_streams(served):
-    url = served[0].url
+def test_64_concurrent_streams(served, monkeypatch):
+    """64 streams at once all complete with their own token counts, and were served concurrently:
+    the engine held many of them in one batch (peak running requests, read after every step)."""
+    url, aeng = served[0].url, served[1]
+    peak, step = [0], aeng.engine.step
+
+    def counted_step():
+        out = step()
+        peak[0] = max(peak[0], aeng.engine.metrics()["running"])
+        return out
+    monkeypatch.setattr(aeng.engine, "step", counted_step)
 
     async def one(c: openai.AsyncOpenAI, i: int) -> tuple[int, int, int]:
         n = 4 + i % 13
         s = await c.completions.create(model=NAME, prompt=[3 + i, 7, 11], max_tokens=n, temperature=0.8, seed=i,
-                                       stream=True, extra_body={"ignore_eos": True})
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
         got, usage = 0, None
         async for ch in s:
-            got += len(ch.choices[0].token_ids)
+            got += sum(len(c.token_ids) for c in ch.choices)
             usage = ch.usage or usage
         return n, got, usage.completion_tokens
 
     async def main():
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
             return await asyncio.gather(*(one(c, i) for i in range(64)))
-    t0 = time.monotonic()
     res = asyncio.run(main())
     assert all(n == got == used for n, got, used in res), res
-    assert time.monotonic() - t0 < 120
     wait_idle(url)
+    print("peak running", peak[0])
+    assert peak[0] >= 8, peak  # batched (max_batch_size 16), not one stream after another
 
 
 def test_one_failing_request_does_not_fail_others(served, client, monkeypatch):
@@ -365,6 +377,7 @@ def test_full_queue_gets_503_and_api_key(model_dir):
     assert aeng.engine.blocks.all_free
 
 
+@pytest.mark.slow
 def test_cli_serves_and_drains_on_sigterm():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", "ouro-tiny", "--port", "0",

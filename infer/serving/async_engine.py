@@ -88,7 +88,9 @@ class _Pub:  # per-request publishing state (engine thread)
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256, rate_window_s: float = 10.0):
         self.engine, self.tokenizer = engine, engine.tokenizer
-        self.max_position = engine.model.cfg.max_position
+        # the one context length of every layer: the checkpoint's context capped by what the KV pool
+        # holds (resolved once by the engine); prompt checks and default max_tokens use it
+        self.max_model_len = engine.max_model_len
         self.max_waiting = max_waiting
         self.rate_window_s = rate_window_s
         self.chat_stop_ids = end_of_turn_ids(self.tokenizer)
@@ -132,6 +134,8 @@ class AsyncEngine:
     async def add(self, prompt: str | list[int] | None, params: dict, *, messages: list[dict] | None = None,
                   max_tokens_given: bool = True, teacher_force: bool = False) -> RequestStream:
         """Queue a request. Raises APIError (400) on bad input, Overloaded (503) when full.
+        Without `max_tokens_given`, max_tokens becomes the rest of max_model_len after the prompt
+        (vLLM's default), capped by params["max_tokens"] when that is set (completions: 16).
         `teacher_force`: score the prompt instead (its first token is prefilled, the others are
         forced outputs decoded through the exit policy); the stream's tokens are prompt[1:]."""
         if self.closing or not self.alive:
@@ -230,7 +234,8 @@ class AsyncEngine:
                                     "/v1/completions", "messages")
             prompt = render_chat(messages, tok)
             ids = tok.encode(prompt, add_special_tokens=False)
-            params = {**params, "stop_token_ids": params["stop_token_ids"] + self.chat_stop_ids}
+            if not params["ignore_eos"]:  # the template's end-of-turn ids are EOS ids (vLLM: ignore_eos drops them)
+                params = {**params, "stop_token_ids": params["stop_token_ids"] + self.chat_stop_ids}
         elif isinstance(prompt, str):
             if tok is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as an array of token ids", "prompt")
@@ -239,19 +244,23 @@ class AsyncEngine:
             ids = list(prompt)
         if params["stop"] and tok is None:
             raise APIError(400, "stop strings need a tokenizer, which this model lacks; use stop_token_ids", "stop")
-        ctx = self.max_position
+        ctx, n = self.max_model_len, len(ids)
         if not ids:
             raise APIError(400, f"'{field_}' encodes to zero tokens", field_)
-        if len(ids) >= ctx:
-            raise APIError(400, f"the {field_} has {len(ids)} tokens, but this model's context is {ctx} tokens "
-                                f"(at least one position must remain for the output)", field_,
-                           code="context_length_exceeded")
-        if not given:
-            params = {**params, "max_tokens": ctx - len(ids)}
-        elif len(ids) + params["max_tokens"] > ctx:
-            raise APIError(400, f"this model's context is {ctx} tokens, but the {field_} has {len(ids)} tokens and "
-                                f"max_tokens is {params['max_tokens']} ({len(ids) + params['max_tokens']} in all); "
-                                f"lower max_tokens", "max_tokens", code="context_length_exceeded")
+        what = "messages" if field_ == "messages" else "prompt"
+        if n >= ctx:  # vLLM's wording; at least one position must remain for the output
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens (max_model_len). However, "
+                                f"your request has {n} input tokens, which leaves no room for the output. Please "
+                                f"reduce the length of the input {what}.", field_, code="context_length_exceeded")
+        if not given:  # vLLM's rule: the rest of the context (completions: at most OpenAI's default of 16)
+            cap = params["max_tokens"]
+            params = {**params, "max_tokens": ctx - n if cap is None else min(cap, ctx - n)}
+        elif n + params["max_tokens"] > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens (max_model_len). However, "
+                                f"you requested {params['max_tokens']} output tokens and your prompt contains {n} "
+                                f"input tokens, for a total of {n + params['max_tokens']} tokens. Please reduce the "
+                                f"length of the input {what} or the number of requested output tokens.",
+                           "max_tokens", code="context_length_exceeded")
         forced = None
         if teacher_force:  # score prompt[1:] through the exit policy (a 1-token prompt has nothing to score)
             params = {**params, "prompt_logprobs": 0, "logprobs": True}

@@ -43,8 +43,8 @@ class GenRequest:
     kind: str  # "completion" | "chat"
     prompt: str | list[int] | None  # completions: the first (or only) prompt
     messages: list[dict] | None  # chat (rendered with the chat template in the engine thread)
-    sampling: dict  # SamplingParams keyword arguments (max_tokens may be None: the rest of the context)
-    max_tokens_given: bool
+    sampling: dict  # SamplingParams keyword arguments (max_tokens may be None: the rest of max_model_len)
+    max_tokens_given: bool  # False: max_tokens is the rest of max_model_len (capped at sampling's, if any)
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -231,9 +231,8 @@ def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth
     if echo_depth not in ECHO_DEPTHS:
         raise bad("echo_logprobs_depth", f"'echo_logprobs_depth' must be one of {list(ECHO_DEPTHS)}, got {echo_depth!r}")
     sampling, given = _sampling(body, vocab_size, r_max)
-    if not given:
-        sampling["max_tokens"] = 16  # OpenAI's default for completions
-        given = True
+    if not given:  # OpenAI's default for completions, lowered to what the context leaves (AsyncEngine._add)
+        sampling["max_tokens"] = 16
     sampling["logprobs"] = lp is not None
     sampling["top_logprobs"] = lp or 0
     return GenRequest("completion", prompts[0], None, sampling, given, stream, include_usage, lp is not None, model,

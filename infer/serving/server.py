@@ -61,9 +61,10 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
     """`echo_logprobs_depth`: the default meaning of echoed prompt log-probs ("full": the full-depth
     prefill, vLLM's; "policy": teacher-forced through the exit policy); a request may override it."""
     cfg = aeng.engine.model.cfg
+    max_model_len = aeng.max_model_len  # the one context length (the checkpoint's, capped by the KV pool)
     engine_cfg = aeng.engine.config.describe()  # the resolved settings (checkpoint defaults filled in)
     info = {k: engine_cfg[k] for k in ("policy", "refill", "kv_layout", "max_batch_size", "lookahead",
-                                       "exit_criterion", "exit_threshold", "r_min", "exits_disabled")}
+                                       "exit_criterion", "exit_threshold", "r_min", "full_depth")}
     created = int(time.time())
 
     @asynccontextmanager
@@ -191,10 +192,15 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         return acc
 
     async def _stream(req: GenRequest, streams: list[RequestStream], head: dict):
-        """SSE chunks of every choice as they come (each chunk names its choice `index`)."""
+        """SSE chunks of every choice as they come (each chunk names its choice `index`), as vLLM sends
+        them: chat's `delta: {"role": "assistant"}` chunk of a choice goes out with its first token
+        (clients time TTFT at the first chunk); usage only with `stream_options.include_usage`, then
+        `usage: null` on every chunk and one final `choices: []` chunk with the usage."""
         depths: list[list[int]] = [[] for _ in streams]
         offsets = [0] * len(streams)
+        started = [False] * len(streams)
         prompt_tokens = sum(s.prompt_tokens for i, s in enumerate(streams) if i % req.n == 0)
+        extra = {"usage": None} if req.include_usage else {}
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, s: RequestStream) -> None:
@@ -206,10 +212,6 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         failed = False
         try:
-            if req.kind == "chat":
-                for i in range(len(streams)):
-                    yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
             left = len(streams)
             while left:
                 i, d = await merged.get()
@@ -217,15 +219,18 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
                     yield sse({"error": APIError(500, d.error, type_="internal_server_error").body()["error"]})
                     failed = True
                     break
+                out = ""
+                if req.kind == "chat" and not started[i]:
+                    out = sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}], **extra})
+                started[i] = True
                 depths[i] += d.exit_depths
                 chunk = {**head, "choices": [choice(req.kind, d, stream=True, offset=offsets[i], index=i,
-                                                     k=req.top_logprobs)]}
+                                                     k=req.top_logprobs)], **extra}
                 offsets[i] += len(d.text)
                 if d.finish_reason is not None:
                     left -= 1
-                    if len(streams) == 1:
-                        chunk["usage"] = usage(prompt_tokens, depths[i])
-                yield sse(chunk)
+                yield out + sse(chunk)
             if req.include_usage and not failed:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, depths)})
             yield sse("[DONE]")
@@ -268,7 +273,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
             if prompt is None:
                 raise bad("prompt", "'prompt' (a string) or 'messages' is required")
             ids = tok.encode(prompt, add_special_tokens=special)
-        return {"count": len(ids), "max_model_len": cfg.max_position, "tokens": ids}
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -281,13 +286,13 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         tok = need_tokenizer(request)
         return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
                 "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
-                "model_max_length": cfg.max_position}
+                "model_max_length": max_model_len}
 
     @app.get("/v1/models")
     async def models(request: Request):
         auth(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "looplm-cdb", "max_model_len": cfg.max_position,
+                                            "owned_by": "looplm-cdb", "max_model_len": max_model_len,
                                             "vocab_size": cfg.vocab_size,
                                             "r_max": cfg.r_max, "arch": cfg.arch, "engine": engine_cfg}]}
 
