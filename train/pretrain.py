@@ -53,6 +53,18 @@ def gate_params(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if "exit_gate" in n]
 
 
+def gate_optimizer(model, lr: float) -> torch.optim.Optimizer:
+    """Stage II's set-up: the LM frozen (eval mode), Adam over the exit gate's parameters only."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = gate_params(model)
+    params = [p for n, p in model.named_parameters() if n in names]
+    for p in params:
+        p.requires_grad_(True)
+    model.eval()
+    return torch.optim.Adam(params, lr=lr)
+
+
 def sample_depth(rng: np.random.Generator, mean: float, sigma: float, r_max: int, r_min: int = 1) -> int:
     """Huginn's Poisson-lognormal loop count, clipped to [r_min, r_max]."""
     tau = rng.lognormal(math.log(mean) - 0.5 * sigma ** 2, sigma)
@@ -171,14 +183,7 @@ def stage1(a, accelerator, model, data: Tokens, windows, hist: History, wb) -> N
 
 def stage2(a, model, data: Tokens, windows: dict, hist: History, wb) -> dict:
     """LM frozen; the gate learns 'stop now' = continuing improves CE by less than the margin."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    names = gate_params(model)
-    params = [p for n, p in model.named_parameters() if n in names]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=a.gate_lr)
-    model.eval()
+    opt = gate_optimizer(model, a.gate_lr)
     t0 = time.time()
     for it in range(a.gate_steps):
         batch = data.batch(a.batch, a.ctx, [a.seed, 10 ** 6 + it, 0])

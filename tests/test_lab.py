@@ -1,0 +1,112 @@
+"""The looped-LM lab (issue 24): the k-hop task generator, its lm-eval tasks, and the shipped
+checkpoint that needs its loops (checkpoints/lab-hops). CPU, seconds each."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.tasks.hops import generate, make_record
+
+ROOT = Path(__file__).resolve().parents[1]
+CKPT = ROOT / "checkpoints" / "lab-hops"
+HELDOUT_SEED = 7  # the held-out seed of the model card and eval/tasks/data/lab_hops.jsonl
+
+
+def solve(prompt: str) -> str:
+    """Resolve the prompt's chains by following the assignments (the task's ground truth)."""
+    body, query = prompt[:-1].split("?")
+    env = dict(s.split("=") for s in body.split(";") if s)
+    out = []
+    for name in query.split(","):
+        v, hops = name, 0
+        while not v.isdigit():
+            v, hops = env[v], hops + 1
+        out.append((name, v, hops))
+    return ",".join(f"{n}={v}" for n, v, _ in out) + ".", [h for *_, h in out]
+
+
+def test_generator_is_deterministic_and_correct(tmp_path):
+    a, b = generate(11, 60), generate(11, 60)
+    assert a == b and a != generate(12, 60)
+    assert sorted({r["difficulty"] for r in a}) == [1, 2, 3, 4]
+    for r in a:
+        answer, hops = solve(r["prompt"])
+        assert r["answer"] == answer and r["hops"] == hops and r["difficulty"] == max(hops)
+        assert len(r["token_difficulty"]) == len(r["answer"])
+        assert [d for d in r["token_difficulty"] if d] == hops  # values carry their hops, the rest is 0
+        # easy tokens are copies or format: names from the query, '=', ',', '.'
+        assert all(c in "=,." or c in r["prompt"].split("?")[1] for c, d in zip(r["answer"], r["token_difficulty"])
+                   if d == 0)
+    out = tmp_path / "x.jsonl"
+    cmd = [sys.executable, "-m", "train.tasks.hops", "--seed", "11", "--n", "60", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    assert [json.loads(ln) for ln in out.read_text().splitlines()] == a
+    import numpy as np
+    r = make_record(np.random.default_rng(0), 4)
+    assert r["difficulty"] == 4 and 4 in r["hops"]
+
+
+def test_shipped_task_data_is_the_heldout_split():
+    rows = [json.loads(ln) for ln in (ROOT / "eval/tasks/data/lab_hops.jsonl").read_text().splitlines()]
+    assert rows == generate(HELDOUT_SEED, len(rows))
+
+
+def test_lm_eval_task_scores_exact_match():
+    from lm_eval.filters.extraction import RegexFilter
+
+    from eval import lm as looped
+    d = looped.task_manager().load(["lab_hops", "lab_hops_4"])["tasks"]
+    task = d["lab_hops"]
+    docs = list(task.test_docs())
+    assert len(docs) == 400 and {doc["difficulty"] for doc in d["lab_hops_4"].test_docs()} == {4}
+    doc = docs[5]
+    assert task.doc_to_text(doc) == doc["prompt"] and task.doc_to_target(doc) == doc["answer"]
+    wrong = doc["answer"].replace(doc["answer"][2], str((int(doc["answer"][2]) + 1) % 10), 1)
+    assert task.process_results(doc, [doc["answer"]])["exact_match"] == 1
+    assert task.process_results(doc, [wrong])["exact_match"] == 0
+    # the regex filter keeps the answer up to its '.', and a malformed generation scores 0
+    pattern = task.config.filter_list[0]["filter"][0]["regex_pattern"]
+    f = RegexFilter(regex_pattern=pattern)
+    kept = [list(x) for x in f.apply([[doc["answer"] + "junk"], ["?" + doc["answer"]]], [doc, doc])]
+    assert task.process_results(doc, [kept[0][0]])["exact_match"] == 1
+    assert task.process_results(doc, [kept[1][0]])["exact_match"] == 0
+
+
+def test_checkpoint_loads_and_decodes():
+    """The shipped checkpoint loads through the engine with its tokenizer and learned gate."""
+    from infer import LLM
+    from eval.lab import run
+    assert (CKPT / "model.safetensors").stat().st_size < 5e6
+    cfg = json.loads((CKPT / "config.json").read_text())
+    assert cfg["exit_criterion"] == "learned" and cfg["total_ut_steps"] >= 4
+    recs = generate(HELDOUT_SEED, 8)
+    llm = LLM(str(CKPT), policy="cdb", max_batch_size=8)
+    assert llm.tokenizer.decode(llm.tokenizer.encode(recs[0]["prompt"])) == recs[0]["prompt"]
+    r = run(llm, recs)
+    assert 0 <= r["acc"] <= 1 and 1 <= r["mean_exit_depth"] <= llm.model.cfg.r_max
+
+
+# Issue 24's acceptance test. The checkpoint shipped so far (one hour of CPU training on a loaded
+# 2-core machine) has not learned the look-ups: its accuracy is that of guessing a permutation of the
+# chains' digits at every depth (checkpoints/lab-hops/README.md). strict: remove the mark once a
+# checkpoint that needs its loops is shipped.
+@pytest.mark.xfail(strict=True, reason="issue 24: the shipped lab checkpoint has not learned the hops yet")
+def test_checkpoint_needs_its_loops():
+    """On 64 held-out items the shipped checkpoint at full depth beats its own depth-1 accuracy by
+    >= 40 points, through the engine; the learned gate sends value tokens deeper than copies."""
+    from infer import LLM
+    from eval.lab import run
+    assert (CKPT / "model.safetensors").stat().st_size < 5e6
+    cfg = json.loads((CKPT / "config.json").read_text())
+    assert cfg["exit_criterion"] == "learned" and cfg["total_ut_steps"] >= 4
+    recs = generate(HELDOUT_SEED, 64)
+    llm = LLM(str(CKPT), policy="cdb", max_batch_size=64)
+    r_max = llm.model.cfg.r_max
+    assert llm.tokenizer.decode(llm.tokenizer.encode(recs[0]["prompt"])) == recs[0]["prompt"]
+    d1 = run(llm, recs, r_min=1, r_max=1)
+    full = run(llm, recs, r_min=r_max, r_max=r_max)
+    assert full["acc"] - d1["acc"] >= 0.40, (d1["acc"], full["acc"])
+    gate = run(llm, recs)
+    assert gate["hard_mean_depth"] > gate["easy_mean_depth"]

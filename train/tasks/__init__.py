@@ -1,0 +1,1 @@
+"""Synthetic task families with controlled difficulty (the looped-LM lab, `train/lab.py`)."""
