@@ -69,13 +69,15 @@ def engine_settings(args: dict[str, Any]) -> dict[str, Any]:
 
 @register_model("looped")
 class LoopedEvalLM(TemplateLM):
-    """model_args: `pretrained` (folder or LoopedLM), `dtype`, `device`, `r_max`, `tokenizer`,
+    """model_args: `pretrained` (folder or LoopedLM), `dtype`, `device`, `r_max`, `load_format`
+    ("dummy": random weights of the folder's shape, as vLLM's), `tokenizer`,
     `batch_size` (the engine's max_batch_size), `max_gen_toks`, `add_bos_token`, and any EngineConfig
     field (policy, kv_layout, exit_threshold, r_min, lookahead, ...; unset: the checkpoint's)."""
 
     def __init__(self, pretrained: str | LoopedLM, r_max: int | None = None, dtype: str = "float32",
                  device: str = "cpu", batch_size: int | str = 32, max_batch_size: int | None = None,
-                 tokenizer=None, max_gen_toks: int = 256, add_bos_token: bool = False, **model_args):
+                 tokenizer=None, max_gen_toks: int = 256, add_bos_token: bool = False, load_format: str = "auto",
+                 **model_args):
         super().__init__()
         bs = 32 if str(batch_size).startswith("auto") else int(batch_size)
         if str(batch_size).startswith("auto") and max_batch_size:
@@ -84,7 +86,7 @@ class LoopedEvalLM(TemplateLM):
         unknown = sorted(set(model_args) - set(EngineConfig.field_names()))
         if unknown:
             raise ParamError(unknown[0], f"unknown model_args {unknown}; known: pretrained, r_max, dtype, device, "
-                                         f"batch_size, tokenizer, max_gen_toks, add_bos_token, "
+                                         f"load_format, batch_size, tokenizer, max_gen_toks, add_bos_token, "
                                          f"{', '.join(EngineConfig.field_names())}")
         r_max = _opt(int, r_max)
         device = str(device)
@@ -95,7 +97,7 @@ class LoopedEvalLM(TemplateLM):
         # r_max: a folder is loaded with the config override (it may exceed the trained depth, as
         # Huginn's does); a model instance keeps its config and caps each request instead.
         self.llm = LLM(pretrained, dtype=str(dtype), device=device, r_max=None if instance else r_max,
-                       tokenizer=self._tokenizer(tokenizer), **{"max_batch_size": bs, **settings})
+                       load_format=str(load_format), tokenizer=self._tokenizer(tokenizer), **{"max_batch_size": bs, **settings})
         c = self.llm.config
         self.settings = dict(exit_threshold=c.exit_threshold, r_min=c.r_min, r_max=r_max, lookahead=c.lookahead,
                              kv_layout=c.kv_layout, policy=c.policy, full_depth=c.full_depth,

@@ -31,8 +31,8 @@ from kv_layouts import DEFAULT_LAYOUT
 
 SETTINGS = ("exit_criterion", "exit_threshold", "r_min", "kv_layout", "lookahead", "policy")
 DEFAULTS = dict(tasks="looped_suite", limit=24, bench_workload="alpaca", bench_requests=16, bench_scale=1.0,
-                bench_repeats=1, batch_size=32, dtype="float32", device="cpu", seed=0, baselines=True,
-                bootstrap_iters=100, project="looped-eval")
+                bench_repeats=1, batch_size=32, dtype="float32", device="cpu", load_format="auto", seed=0,
+                baselines=True, bootstrap_iters=100, project="looped-eval")
 
 
 # ---------------------------------------------------------------- grid
@@ -180,7 +180,7 @@ def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | No
     if pretrained is None:
         raise ValueError("the sweep needs a `pretrained` parameter (a checkpoint folder)")
     if model is None:
-        model, tok = load_model(pretrained, cfg["dtype"], cfg["device"])
+        model, tok = load_model(pretrained, cfg["dtype"], cfg["device"], load_format=cfg["load_format"])
         tokenizer = tokenizer or tok
     if tokenizer is None and cfg.get("tokenizer"):
         tokenizer = LoopedEvalLM._tokenizer(cfg["tokenizer"])
@@ -219,7 +219,7 @@ def _ray_point(pretrained: str, point: dict, cfg: dict, threads: int | None) -> 
     if threads:
         torch.set_num_threads(threads)  # the core Ray reserved for this task
     t0 = time.perf_counter()
-    model, tok = load_model(pretrained, cfg["dtype"], cfg["device"])
+    model, tok = load_model(pretrained, cfg["dtype"], cfg["device"], load_format=cfg["load_format"])
     if tok is None and cfg.get("tokenizer"):
         tok = LoopedEvalLM._tokenizer(cfg["tokenizer"])
     metrics = {**evaluate_point(model, tok, point, cfg, task_manager()), **bench_point(pretrained, point, cfg)}
@@ -345,7 +345,7 @@ def run_agent_point(flags: list[str], out: Path) -> dict:
     run = wandb.init(config=cfg, dir=str(out))
     cfg.update(dict(run.config))
     point = {k: cfg.get(k) for k in SETTINGS}
-    model, tok = load_model(cfg["pretrained"], cfg["dtype"], cfg["device"])
+    model, tok = load_model(cfg["pretrained"], cfg["dtype"], cfg["device"], load_format=cfg["load_format"])
     row = {**evaluate_point(model, tok or cfg.get("tokenizer"), point, cfg, task_manager()),
            **bench_point(cfg["pretrained"], point, cfg)}
     run.log(row)

@@ -9,7 +9,7 @@ _EXPORTS = {
     "LoopOutput": "model", "build_model": "io", "load_pretrained": "io", "load_tokenizer": "io",
     "save_pretrained": "io", "resolve_dtype": "io", "PRESETS": "presets", "preset_config": "presets",
     "tiny_model": "presets", "PAPER_MODELS": "presets", "paper_config": "presets", "paper_model": "presets",
-    "ParamError": "errors",
+    "dummy_model": "presets", "ParamError": "errors",
 }
 __all__ = list(_EXPORTS)
 

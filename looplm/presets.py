@@ -34,6 +34,12 @@ PAPER_MODELS: dict[str, dict] = {
 }
 
 
+# Smaller shapes that keep a paper model's structure (width, heads, vocabulary, r_max, gate) with fewer
+# layers: real-shape stages whose cost a CPU can pay (dummy weights, infer.bench).
+PAPER_MODELS["ouro-1.4b-4l"] = {**PAPER_MODELS["ouro-1.4b"], "n_core": 4}
+PAPER_MODELS["huginn-3.5b-1-1-1"] = {**PAPER_MODELS["huginn-3.5b"], "n_prelude": 1, "n_core": 1, "n_coda": 1}
+
+
 def paper_config(name: str, **overrides) -> LoopConfig:
     if name not in PAPER_MODELS:
         raise ValueError(f"unknown paper model {name!r}; available: {sorted(PAPER_MODELS)}")
@@ -42,9 +48,20 @@ def paper_config(name: str, **overrides) -> LoopConfig:
 
 def paper_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoopedLM:
     """A paper model's shape with random weights (seed 0), built directly on `device`: GPU timing."""
+    return dummy_model(paper_config(name), dtype, device)
+
+
+def dummy_model(cfg: LoopConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoopedLM:
+    """Random weights (torch's default init, seed 0) for any config, built directly in `dtype` on
+    `device` (no float32 copy of a billion-parameter model first): vLLM's load_format="dummy"."""
     torch.manual_seed(0)
-    with torch.device(device):
-        model = build_model(paper_config(name))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(cfg)
+    finally:
+        torch.set_default_dtype(old)
     return model.to(dtype).eval()
 
 

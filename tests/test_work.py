@@ -42,3 +42,12 @@ def test_huginn_counts_its_prelude_and_coda_layers():
     rows = r["output_tokens"] - 4 + blk["workload"]["prompt_tokens"]  # decode items + prompt positions
     assert p["prelude"] == rows * m.cfg.n_prelude and p["coda"] == rows * m.cfg.n_coda
     assert r["work"]["weight_bytes"] > 0 and r["work"]["kv_rows_read"] > 0
+
+
+def test_speedup_interval_says_what_it_knows():
+    iv = offline.ratio_interval([2.0, 2.1, 1.9, 2.0, 2.2], [1.0, 1.1, 0.9, 1.0, 1.05])
+    assert iv["verdict"] == "faster" and iv["lo"] > 1.5 and iv["lo"] <= iv["median"] <= iv["hi"]
+    assert offline.ratio_interval([1.0, 1.2, 0.9, 1.1], [1.1, 1.0, 1.0, 1.0])["verdict"] == "within noise"
+    assert offline.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.1, 1.9])["verdict"] == "slower"
+    # the same inputs give the same interval (a fixed bootstrap seed)
+    assert offline.ratio_interval([1, 2, 3], [2, 2, 2]) == offline.ratio_interval([1, 2, 3], [2, 2, 2])

@@ -18,10 +18,11 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
-from infer.engine.llm import load_model
+from infer.engine.llm import LOAD_FORMATS, load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
 
@@ -174,10 +175,24 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
             cb_tps = cb["output_tokens"] / cb["seconds"]
             res["speedup_vs_cb"] = tps / cb_tps
             res["fraction_of_bound"] = res["speedup_vs_cb"] / b["s_e2e"]
+            res["speedup_interval"] = ratio_interval(cb.get("seconds_all", [cb["seconds"]]), res["seconds_all"])
         else:
             res.update(s_dec=None, s_e2e=None, speedup_vs_cb=None, fraction_of_bound=None)
         out.append(res)
     return out
+
+
+def ratio_interval(cb_seconds: list[float], seconds: list[float], iters: int = 2000, seed: int = 0) -> dict:
+    """The speedup over CB of one mode from its repeats, each paired with CB's repeat of the same
+    round (modes run interleaved, so a round shares the machine's state): the median of the
+    per-round ratios CB time / mode time (same output tokens), a 95% bootstrap interval of that
+    median, and what the interval says: "faster" or "slower" when it excludes 1, else "within noise"."""
+    r = np.asarray(cb_seconds[:len(seconds)]) / np.asarray(seconds[:len(cb_seconds)])
+    rng = np.random.default_rng(seed)
+    meds = np.median(rng.choice(r, size=(iters, len(r)), replace=True), axis=1)
+    lo, hi = (float(x) for x in np.percentile(meds, [2.5, 97.5]))
+    verdict = "faster" if lo > 1 else "slower" if hi < 1 else "within noise"
+    return {"median": float(np.median(r)), "lo": lo, "hi": hi, "rounds": len(r), "verdict": verdict}
 
 
 def bounds_block(cfg, requests: list[Request]) -> dict:
@@ -339,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload sampling seed")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: the folder's config.json (or a paper preset) with random weights (real shapes, no "
+                        "weights file)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for infer.latency fit)")
@@ -351,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, a.dtype, a.device)
+    model, tok = load_model(a.model, a.dtype, a.device, load_format=a.load_format)
     base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)
     bar = tqdm(total=len(a.workloads) * a.repeats * len(modes) * a.num_requests, desc="bench", unit="req")

@@ -13,6 +13,14 @@ def ratio_json(out: dict, ratios: dict[str, tuple[dict, dict, str]]) -> dict:
     return out
 
 
+def interval(iv: dict | None) -> str:
+    """'[lo, hi] verdict' of a speedup interval (offline.ratio_interval), '-' without one."""
+    if not iv or iv["rounds"] < 2:
+        return "-"
+    word = {"faster": "faster", "slower": "slower", "within noise": "noise"}[iv["verdict"]]
+    return f"[{iv['lo']:.3f}, {iv['hi']:.3f}] {word}"
+
+
 def format_table(block: dict) -> str:
     w = block["workload"]
     lines = [f"== {w['workload']}: {w['num_requests']} requests, prompt {w['mean_prompt_len']:.1f} / output "
@@ -21,7 +29,8 @@ def format_table(block: dict) -> str:
              + (f", {w['clamped_to_context']} clamped to the context {w['max_model_len']}" if w["clamped_to_context"] else "")
              + ")",
              f"{'mode':16s} {'out tok/s':>10s} {'req/s':>7s} {'depth':>6s} {'alpha':>6s} {'S_dec':>6s} "
-             f"{'S_e2e':>6s} {'speedup':>8s} {'of bound':>8s} {'S_e2e(lat)':>10s} {'work/CB':>7s} {'wbytes/CB':>9s} "
+             f"{'S_e2e':>6s} {'speedup':>8s} {'95% interval':>22s} {'of bound':>8s} {'S_e2e(lat)':>10s} {'work/CB':>7s} "
+             f"{'wbytes/CB':>9s} "
              f"{'pf launches':>11s} {'pf tok/l':>8s} {'pf share':>8s}"]
     f = (lambda x, p=3: f"{x:.{p}f}" if isinstance(x, (int, float)) else "-")
     pct = (lambda x: f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-")
@@ -29,7 +38,8 @@ def format_table(block: dict) -> str:
         pf = r.get("prefill")  # launches carrying prompt tokens, their mean prompt tokens, prompts' share of time
         lines.append(f"{r['mode']:16s} {r['output_tokens_per_s']:10.1f} {r['requests_per_s']:7.2f} "
                      f"{r['mean_exit_depth']:6.2f} {f(r['alpha'], 3):>6s} {f(r['s_dec'], 3):>6s} {f(r['s_e2e'], 3):>6s} "
-                     f"{f(r['speedup_vs_cb'], 3):>8s} {pct(r['fraction_of_bound']):>8s} {f(r.get('s_e2e_latency'), 3):>10s}"
+                     f"{f(r['speedup_vs_cb'], 3):>8s} {interval(r.get('speedup_interval')):>22s} "
+                     f"{pct(r['fraction_of_bound']):>8s} {f(r.get('s_e2e_latency'), 3):>10s}"
                      f" {f(r.get('compute_ratio'), 3):>7s} {f(r.get('weight_traffic_ratio'), 3):>9s}"
                      + (f" {pf['launches']:11d} {pf['mean_prompt_tokens']:8.1f} {pct(pf['share']):>8s}" if pf else ""))
     b = block["bounds"]

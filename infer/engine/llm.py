@@ -6,9 +6,11 @@ from typing import Sequence as Seq
 
 import torch
 
-from looplm import PAPER_MODELS, PRESETS, load_pretrained, load_tokenizer, paper_model, tiny_model
+from looplm import PAPER_MODELS, PRESETS, LoopConfig, dummy_model, load_pretrained, load_tokenizer, paper_config, \
+    tiny_model
+from looplm.config import replace
 from looplm.errors import ParamError
-from looplm.io import resolve_dtype
+from looplm.io import resolve_dtype, resolve_path
 from looplm.model import LoopedLM
 
 from .config import EngineConfig
@@ -16,17 +18,31 @@ from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
 
-def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_max: int | None = None):
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_max: int | None = None,
+               load_format: str = "auto"):
     """(model, tokenizer or None) from a checkpoint folder / hub id, a tiny preset name (random
-    weights: tests and demos), one of the paper's model shapes ("ouro-1.4b", "huginn-3.5b": random
-    weights, GPU timing runs), or a LoopedLM."""
+    weights: tests and demos), one of the paper's model shapes ("ouro-1.4b", "huginn-3.5b" and their
+    fewer-layer variants: random weights), or a LoopedLM. `load_format="dummy"` (vLLM's name): a
+    folder's config.json (and tokenizer) with random weights; its weights file is never read."""
+    if load_format not in LOAD_FORMATS:
+        raise ParamError("load_format", f"unknown load_format {load_format!r}; supported: {LOAD_FORMATS}")
     kw = {} if r_max is None else {"r_max": r_max}
     if isinstance(model, LoopedLM):
         return model.to(device=device, dtype=resolve_dtype(dtype)).eval(), None
     if isinstance(model, str) and model in PRESETS:
         return tiny_model(model, dtype=resolve_dtype(dtype), **kw).to(device), None
     if isinstance(model, str) and model in PAPER_MODELS:
-        return paper_model(model, resolve_dtype(dtype), device), None
+        return dummy_model(paper_config(model, **kw), resolve_dtype(dtype), device), None
+    if load_format == "dummy":
+        folder = resolve_path(model)
+        if not (folder / "config.json").exists():
+            raise ParamError("model", f"{folder}: no config.json (load_format='dummy' builds the model it describes)")
+        cfg = LoopConfig.from_json(folder / "config.json")
+        cfg = replace(cfg, **kw) if kw else cfg
+        return dummy_model(cfg, resolve_dtype(dtype), device), load_tokenizer(folder)
     m = load_pretrained(model, dtype=dtype, device=device, **kw)
     return m, load_tokenizer(Path(model)) if Path(model).is_dir() else None
 
@@ -38,9 +54,9 @@ class LLM:
     resolved settings are `llm.config`."""
 
     def __init__(self, model: str | Path | LoopedLM, *, dtype: str = "float32", device: str = "cpu",
-                 r_max: int | None = None, tokenizer=None, **settings):
+                 r_max: int | None = None, tokenizer=None, load_format: str = "auto", **settings):
         config = EngineConfig.from_kwargs(settings)  # unknown names fail before the model loads
-        m, tok = load_model(model, dtype, device, r_max)
+        m, tok = load_model(model, dtype, device, r_max, load_format)
         self.model, self.tokenizer = m, tokenizer if tokenizer is not None else tok
         self.engine = LLMEngine(m, config, self.tokenizer)
 

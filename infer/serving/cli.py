@@ -17,7 +17,7 @@ from pathlib import Path
 from looplm import PRESETS
 
 from infer.engine.config import add_engine_args, engine_config_from_args
-from infer.engine.llm import load_model
+from infer.engine.llm import LOAD_FORMATS, load_model
 from infer.engine.llm_engine import LLMEngine
 
 from .async_engine import AsyncEngine
@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--r-max", type=int, default=None, help="override the model's r_max")
     m.add_argument("--dtype", default="float32")
     m.add_argument("--device", default="cpu")
+    m.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: the folder's config.json (or a paper preset) with random weights, no weights file "
+                        "read (vLLM's --load-format dummy)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)
     s = p.add_argument_group("server")
@@ -62,7 +65,7 @@ def make_server(a: argparse.Namespace):
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, a.dtype, a.device, a.r_max)
+    model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format)
     engine = LLMEngine(model, engine_config_from_args(a), tok)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
     app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes,
