@@ -97,3 +97,15 @@ def test_clis_take_the_engine_flags(tmp_path, capsys):
     out = json.loads(next(tmp_path.glob("sim_*.json")).read_text())
     ec = out["workloads"][0]["results"][0]["engine_config"]
     assert ec["kv_layout"] == "shared" and ec["max_prefill_tokens"] == 512
+
+
+@pytest.mark.parametrize("module,argv", [("infer.bench.offline", []), ("infer.bench.sim", []),
+                                         ("infer.serving.cli", []), ("infer.bench.memory", []),
+                                         ("infer.bench.latency", ["sweep"])])
+def test_every_cli_parses_its_engine_flags(module, argv, capsys):
+    """Each CLI with engine flags (its own + add_engine_args) builds them without a conflict and
+    lists them in its help. (infer.bench_online passes --server-args to infer.serve.)"""
+    import importlib
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv + ["--help"])
+    assert e.value.code == 0 and "--kv-layout" in capsys.readouterr().out

@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--pcie-bandwidth", type=float, default=25e9, help="sim: host <-> device bytes/s of a swap")
     # the engine's flags; reserve_kv is what the bench varies; kv_cache_tokens: default 4096 on
     # CPU, what an 80 GB H100 holds in the simulator
-    add_engine_args(ap, skip=("reserve_kv", "trace"))
+    add_engine_args(ap, skip=("reserve_kv", "trace", "seed"))  # --seed: the workload's
     ap.set_defaults(max_batch_size=256, exit_threshold=0.5)
     a = ap.parse_args(argv)
     base = engine_kwargs_from_args(a)
