@@ -17,8 +17,7 @@ def interval(iv: dict | None) -> str:
     """'[lo, hi] verdict' of a speedup interval (offline.ratio_interval), '-' without one."""
     if not iv or iv["rounds"] < 2:
         return "-"
-    word = {"faster": "faster", "slower": "slower", "within noise": "noise"}[iv["verdict"]]
-    return f"[{iv['lo']:.3f}, {iv['hi']:.3f}] {word}"
+    return f"[{iv['lo']:.3f}, {iv['hi']:.3f}] {iv['verdict'].replace('within ', '')}"
 
 
 def format_table(block: dict) -> str:

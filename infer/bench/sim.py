@@ -359,7 +359,9 @@ def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = DEFAULT_LAYOUT, memory: flo
 
 SIM_SKIPPED = ("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed", "exit_criterion", "exit_threshold",
                "r_min", "cuda_graphs", "pipeline", "gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
-ENGINE_FIELDS = frozenset(EngineConfig.field_names()) - {"policy", "refill", "min_coda_batch", "full_depth", "trace"}
+# the engine flags a bench trace's settings can hold ("seed" there is the workload's, not EngineConfig's)
+ENGINE_FIELDS = frozenset(EngineConfig.field_names()) - {"policy", "refill", "min_coda_batch", "full_depth", "trace",
+                                                         "seed"}
 
 
 def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
