@@ -127,15 +127,20 @@ def single():
     t.join(15)
 
 
-async def complete(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, stream: bool = False) -> dict:
-    """One greedy completion -> status, token ids, exit depths, headers (SSE chunks concatenated)."""
+async def complete(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, stream: bool = False,
+                   on_head=None) -> dict:
+    """One greedy completion -> status, token ids, exit depths, headers (SSE chunks concatenated).
+    `on_head(headers)` runs when the response starts: for a stream, once its first token exists."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
-    r = await c.post(url + "/v1/completions", json=body)
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        if on_head is not None:
+            on_head(r.headers)
+        text = (await r.aread()).decode()
     out = {"status": r.status_code, "headers": r.headers, "ids": [], "depths": [], "id": None}
     if r.status_code != 200:
-        out["error"] = r.text
+        out["error"] = text
     elif stream:
-        for line in r.text.splitlines():
+        for line in text.splitlines():
             if line.startswith("data: {"):
                 ch = json.loads(line[6:])
                 if "error" in ch:  # the replica died mid-stream
@@ -145,7 +150,7 @@ async def complete(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
                 out["ids"] += ch["choices"][0]["token_ids"]
                 out["depths"] += ch["choices"][0]["exit_depths"]
     else:
-        j = r.json()
+        j = json.loads(text)
         out.update(id=j["id"], ids=j["choices"][0]["token_ids"], depths=j["choices"][0]["exit_depths"])
     return out
 
@@ -231,16 +236,29 @@ def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     assert len(before) == 2
 
     async def run():
-        async with httpx.AsyncClient(timeout=180) as c:
-            tasks = [asyncio.create_task(complete(c, replicas, p, 48, stream=i % 4 == 0))  # 8 streamed
-                     for i, p in enumerate(PROMPTS)]
-            await asyncio.sleep(1.0)
-            pending = sum(not t.done() for t in tasks)
-            os.kill(before[0], signal.SIGKILL)
-            t_kill = time.monotonic()
-            return await asyncio.gather(*tasks), pending, t_kill
+        # the victim is the replica whose stream starts first: it is decoding then, with the
+        # non-streamed requests it was sent at the same moment still in flight (a fixed sleep
+        # before the kill let one replica finish its share first on a loaded 2-core machine, and
+        # then nothing was left to retry)
+        started, victim = asyncio.Event(), []
 
-    got, pending, t_kill = asyncio.run(run())
+        def on_head(headers):
+            if not victim:
+                victim.append(int(headers["x-looplm-replica"].rsplit(":", 1)[1]))
+                started.set()
+
+        async with httpx.AsyncClient(timeout=180) as c:
+            tasks = [asyncio.create_task(complete(c, replicas, p, 48, stream=i % 4 == 0,  # 8 streamed
+                                                  on_head=on_head if i % 4 == 0 else None))
+                     for i, p in enumerate(PROMPTS)]
+            await asyncio.wait_for(started.wait(), 120)
+            pending = sum(not t.done() for t in tasks)
+            os.kill(victim[0], signal.SIGKILL)
+            t_kill = time.monotonic()
+            return await asyncio.gather(*tasks), pending, t_kill, victim[0]
+
+    got, pending, t_kill, dead = asyncio.run(run())
+    assert dead in before
     assert pending > 2, "the kill must land while requests are in flight"
     # nothing lost: every request answered with the single server's tokens, none duplicated; only a
     # stream already under way on the killed replica may end early, with a 502 error event
@@ -248,17 +266,17 @@ def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     cut = [i for i, r in enumerate(got) if "stream_error" in r]
     for i in cut:
         assert got[i]["stream_error"]["code"] == 502 and got[i]["stream_error"]["type"] == "replica_died"
-        assert got[i]["headers"]["x-looplm-replica"].endswith(f":{before[0]}")
+        assert got[i]["headers"]["x-looplm-replica"].endswith(f":{dead}")
         assert got[i]["ids"] == want[i]["ids"][:len(got[i]["ids"])]
     assert [(r["ids"], r["depths"]) for i, r in enumerate(got) if i not in cut] == \
         [(r["ids"], r["depths"]) for i, r in enumerate(want) if i not in cut]
     assert len({r["id"] for r in got}) == 32
     retried = [r for r in got if "x-looplm-retried" in r["headers"]]
     assert retried, "the killed replica held requests: they must have been retried"
-    assert all(not r["headers"]["x-looplm-replica"].endswith(f":{before[0]}") for r in retried)
+    assert all(not r["headers"]["x-looplm-replica"].endswith(f":{dead}") for r in retried)
     # replaced: two replicas again, one of them a new process, reporting metrics and serving
     for _ in range(360):  # polled every 0.5 s; the bound only stops a hung cluster from hanging the suite
-        if len(now := replica_pids()) == 2 and before[0] not in now and metrics(replicas)["cdb_replicas"] == 2:
+        if len(now := replica_pids()) == 2 and dead not in now and metrics(replicas)["cdb_replicas"] == 2:
             break
         time.sleep(0.5)
     else:
@@ -268,7 +286,7 @@ def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     assert all(r["status"] == 200 for r in again)
     # (which replica Ray Serve routes to right after the replacement is its own choice: only the dead
     # process must serve nothing)
-    assert not any(r["headers"]["x-looplm-replica"].endswith(f":{before[0]}") for r in again)
+    assert not any(r["headers"]["x-looplm-replica"].endswith(f":{dead}") for r in again)
     print(f"recovered {time.monotonic() - t_kill:.1f} s after the kill; {len(retried)} requests retried, "
           f"{len(cut)} streams cut")
 
