@@ -137,6 +137,7 @@ def stage1(a, model, val, hist: History) -> float:
     budget = 60 * a.time_limit_min if a.time_limit_min else None
     model.train()
     step = 0
+    cap = a.min_hops if a.curriculum_em else a.max_hops  # the hardest level trained so far
     while True:
         # linear decay over the run's progress: the larger of step / --steps and elapsed / --time-limit-min,
         # so a run on a loaded machine still finishes its schedule (lr down to --min-lr-frac) in time
@@ -146,7 +147,6 @@ def stage1(a, model, val, hist: History) -> float:
         f = (step + 1) / a.warmup if step < a.warmup else max(a.min_lr_frac, 1.0 - progress)
         for g in opt.param_groups:
             g["lr"] = a.lr * f
-        cap = a.max_hops
         if a.curriculum:  # the hardest trained level grows from min_hops to max_hops over this share of the run
             cap = min(a.max_hops, a.min_hops + int(progress / a.curriculum * (a.max_hops - a.min_hops + 1)))
         recs = generate([a.train_seed, step], a.batch, a.min_hops, cap, a.chains)
@@ -171,6 +171,9 @@ def stage1(a, model, val, hist: History) -> float:
                 tab = depth_table(model, val, a.r_max)
                 rec["val_em_per_depth"] = [round(x["em"], 4) for x in tab]
                 rec["val_em_hardest_per_depth"] = [round(x["em_by_difficulty"][a.max_hops], 4) for x in tab]
+                # mastery curriculum: the next level joins once the hardest trained one is solved at full depth
+                if a.curriculum_em and cap < a.max_hops and tab[-1]["em_by_difficulty"][cap] >= a.curriculum_em:
+                    cap += 1
             hist.log(rec)
             print(json.dumps(rec), flush=True)
     a.steps_done = step
@@ -232,6 +235,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="stage I ends after this many minutes or --steps, whichever comes first; the lr decay follows")
     p.add_argument("--curriculum", type=float, default=0.0,
                    help="share of the run over which the trained levels grow from --min-hops to --max-hops (0: off)")
+    p.add_argument("--curriculum-em", type=float, default=0.0,
+                   help="mastery curriculum: start at --min-hops and add the next level when the validation exact "
+                        "match of the hardest trained level at full depth reaches this (0: off; checked every --eval-every)")
     p.add_argument("--recall-frac", type=float, default=0.0,
                    help="share of training records turned into recall records (see recall_record)")
     p.add_argument("--recall-sep", choices=[";", ","], default=";",

@@ -16,6 +16,7 @@ import argparse
 import math
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
 
 from . import bounds as B
+from . import replay as RP
 from .latency import fit_trace, fits_to_json
 from .report import format_table, model_meta, write_outputs
 from .work import ratios as work_ratios, work_counts
@@ -58,14 +60,19 @@ def make_engine(model, tokenizer, mode: dict, base: dict) -> LLMEngine:
     return LLMEngine(model, EngineConfig(**{**base, **_mode_kwargs(mode), "trace": True}), tokenizer)
 
 
-def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_trace: bool = True) -> dict:
+def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_trace: bool = True,
+               prepare=None) -> dict:
     """Run every request through an (idle) engine; the raw measurement. The engine can be reused:
-    its CUDA graphs, once captured by a first pass, are not captured again inside a timed run."""
+    its CUDA graphs, once captured by a first pass, are not captured again inside a timed run.
+    `prepare(seqs)` runs once the requests are added, before the first step (replay.py sets their
+    exit trackers there)."""
     eng.trace = []
     eng.reset_prefix_cache()  # each pass starts cold: only sharing inside the request list counts
     m0 = eng.metrics()
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
+    if prepare is not None:
+        prepare(seqs)
     done = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -167,6 +174,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
                "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
                "prefix_cache": r.get("prefix_cache"), "work": r.get("work"),
+               "exit_depths_crc32": RP.depths_crc32(r["exit_depths"]),  # equal digests: equal per-token depths
                **work_ratios(r["work"], cb["work"] if cb else None),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
         if alpha_cb is not None:
@@ -242,17 +250,33 @@ def latency_bound(fits: dict, results: list[dict], raws: dict[str, dict], ctx: f
 # ---------------------------------------------------------------------------------- a workload
 def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, scale: float | str = 1.0,
                    seed: int = 0, modes: list[dict] | None = None, repeats: int = 3, base: dict | None = None,
-                   progress=None, warmup: bool = True, stat: str = "min") -> dict:
-    """All modes on one workload: {"workload", "bounds", "results", "latency_fit", "traces"}."""
+                   progress=None, warmup: bool = True, stat: str = "min", record: bool = False,
+                   replay: dict | None = None) -> dict:
+    """All modes on one workload: {"workload", "bounds", "results", "latency_fit", "traces"}.
+    `record`: first one untimed CDB pass under the engine's policy that records every token's exit
+    scores (the block's "recorded_exits", for replay.write). `replay`: a recorded-exits file
+    (replay.load): the requests get its lengths and every mode the depths it decides."""
     cfg = model.cfg
     modes = modes or modes_for()
     base = dict(base or {})
+    if replay is not None:
+        base = RP.engine_settings(replay, base)
     # the requests fit the context the engine really serves (max_model_len: the checkpoint's,
     # capped by the KV pool), which the first mode's engine knows; every mode has the same pool
     first = make_engine(model, tokenizer, modes[0], base)
     ctx_len = first.max_model_len
-    reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_model_len=ctx_len,
-                         vocab_size=cfg.vocab_size, tokenizer=tokenizer)
+    if replay is not None:
+        reqs = RP.make_replay_requests(replay, workload, cfg.vocab_size, ctx_len, seed)
+    else:
+        reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_model_len=ctx_len,
+                             vocab_size=cfg.vocab_size, tokenizer=tokenizer)
+    recorded = record_exits(model, tokenizer, reqs, base) if record else None
+    prep: dict[str, object] = {}  # per mode: the replay's tracker setup (its depths derived once)
+    if replay is not None:
+        for m in modes:
+            pol = EngineConfig(**{**base, **_mode_kwargs(m)}).resolve(cfg, model.device).exit_policy(cfg)
+            depths = RP.replay_depths(replay, workload, pol)
+            prep[m["name"]] = partial(_force, pol, depths) if pol.adaptive else None
     reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
     if model.device.type == "cuda":
         # one engine (KV pool, CUDA graphs) at a time; a full untimed pass captures every graph
@@ -261,9 +285,9 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
             eng = first if m is modes[0] else make_engine(model, tokenizer, m, base)
             first = None
             if warmup:
-                run_engine(eng, m, reqs, keep_trace=False)
+                run_engine(eng, m, reqs, keep_trace=False, prepare=prep.get(m["name"]))
             for _ in range(repeats):
-                reps[m["name"]].append(run_engine(eng, m, reqs, progress))
+                reps[m["name"]].append(run_engine(eng, m, reqs, progress, prepare=prep.get(m["name"])))
             del eng
             torch.cuda.empty_cache()
     else:
@@ -271,10 +295,10 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
         engines = {m["name"]: first if m is modes[0] else make_engine(model, tokenizer, m, base) for m in modes}
         if warmup:
             for m in modes:
-                run_engine(engines[m["name"]], m, reqs[:2], keep_trace=False)
+                run_engine(engines[m["name"]], m, reqs[:2], keep_trace=False, prepare=prep.get(m["name"]))
         for rep in range(repeats):
             for m in (modes if rep % 2 == 0 else modes[::-1]):
-                reps[m["name"]].append(run_engine(engines[m["name"]], m, reqs, progress))
+                reps[m["name"]].append(run_engine(engines[m["name"]], m, reqs, progress, prepare=prep.get(m["name"])))
     raws = {m["name"]: pick_raw(reps[m["name"]], stat) for m in modes}
     settings = {**base, "repeats": repeats, "stat": stat, "workload": workload, "seed": seed}
     results = summarize(raws, cfg, reqs, settings)
@@ -289,7 +313,36 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
            "traces": {n: r["trace"] for n, r in raws.items()},
            "exit_depths": raws[next((m["name"] for m in modes if m["name"].startswith("cdb_refill")), modes[-1]["name"])]
            ["exit_depths"], **headline(results)}
+    if recorded is not None:
+        out["recorded_exits"] = recorded
+    if replay is not None:
+        out["replayed_exits"] = {k: replay[k] for k in ("model", "criterion", "threshold", "r_min", "lookahead",
+                                                         "kv_layout", "complete", "replay_r_min")}
     return out
+
+
+def _force(policy, depths: list[list[int]], seqs) -> None:
+    """Replay: each sequence exits after its recorded depths (depths[i][0] is the prefill's)."""
+    for s, d in zip(seqs, depths):
+        s.tracker = RP.ForcedTracker(policy, d[1:])
+
+
+def record_exits(model, tokenizer, reqs: list[Request], base: dict) -> dict:
+    """One untimed CDB refill (K = 1) pass under the engine's policy with recording exit trackers:
+    {"policy": ExitPolicy, "kv_layout", "requests": replay.record_block(...), "exit_depths"}."""
+    mode = {"name": "record", "policy": "cdb", "refill": True, "min_coda_batch": 1}
+    eng = make_engine(model, tokenizer, mode, base)
+    seqs: list = []
+
+    def prepare(added):
+        seqs.extend(added)
+        for s in added:
+            s.tracker = RP.RecordingTracker(s.policy)
+
+    raw = run_engine(eng, mode, reqs, keep_trace=False, prepare=prepare)
+    rows = [s.tracker.rows if s.tracker is not None else [] for s in seqs]
+    return {"policy": eng.policy, "kv_layout": eng.config.kv_layout, "requests": RP.record_block(rows, reqs),
+            "exit_depths": raw["exit_depths"]}
 
 
 def headline(results: list[dict]) -> dict:
@@ -342,7 +395,8 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ouro-tiny", help="checkpoint folder or preset name (ouro-tiny, huginn-tiny)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
+                   help="default: all three (with --replay-exits: the file's)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--scale", default="auto", help="length scale in (0, 1], or 'auto' (fit the model's context)")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4], help="minimum coda batch sizes for cdb refill")
@@ -360,6 +414,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for infer.latency fit)")
+    p.add_argument("--record-exits", type=Path, metavar="FILE",
+                   help="first record every token's exit scores under the engine's policy into FILE (infer/bench/"
+                        "replay.py; with --r-min R_MAX every step's score, replayable at any policy)")
+    p.add_argument("--replay-exits", type=Path, metavar="FILE",
+                   help="every mode uses the exit depths FILE's scores decide (at --exit-threshold / --r-min, else "
+                        "the recorded ones) and its requests' lengths")
     # the modes set policy / refill / min_coda_batch / full_depth; a CPU-sized batch by default
     add_engine_args(p, skip=("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed"))
     p.set_defaults(max_batch_size=32)
@@ -369,13 +429,26 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.record_exits and a.replay_exits:
+        p.error("--record-exits and --replay-exits: record first, then replay in another run")
+    replay = RP.load(a.replay_exits) if a.replay_exits else None
+    workloads = a.workloads or (list(replay["workloads"]) if replay else list(WORKLOADS))
     model, tok = load_model(a.model, a.dtype, a.device, load_format=a.load_format)
     base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)
-    bar = tqdm(total=len(a.workloads) * a.repeats * len(modes) * a.num_requests, desc="bench", unit="req")
+    n_req = sum(len(RP.requests_of(replay, w)) for w in workloads) if replay else len(workloads) * a.num_requests
+    bar = tqdm(total=a.repeats * len(modes) * n_req, desc="bench", unit="req")
     blocks = [bench_workload(model, tok, w, num_requests=a.num_requests, scale=scale, seed=a.seed, modes=modes,
-                             repeats=a.repeats, base=base, progress=bar, stat=a.stat) for w in a.workloads]
+                             repeats=a.repeats, base=base, progress=bar, stat=a.stat, record=bool(a.record_exits),
+                             replay=replay) for w in workloads]
     bar.close()
+    if a.record_exits:
+        rec = [b.pop("recorded_exits") for b in blocks]
+        RP.write(a.record_exits, model=str(a.model), policy=rec[0]["policy"], model_r_min=model.cfg.r_min,
+                 kv_layout=rec[0]["kv_layout"],
+                 workloads={b["workload"]["workload"]: {"scale": b["workload"]["scale"], "seed": a.seed,
+                                                        "requests": r["requests"]} for b, r in zip(blocks, rec)})
+        print(f"recorded exits: {a.record_exits}")
     name = Path(str(a.model)).name
     meta = {**model_meta(model, str(a.model), tok), "title": f"{name}: speedup over CB vs the bound",
             "command": "python -m infer.bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,9 +34,11 @@ from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
 from kv_layouts import DEFAULT_LAYOUT, layout_class
 from looplm.config import LoopConfig
+from looplm.policy import ExitPolicy
 from looplm.presets import PAPER_MODELS, paper_config
 
 from . import bounds as B
+from . import replay as RP
 from .latency import StageFit, fit_trace
 from .offline import bounds_block, headline, modes_for, prefix_cache, raw_from, summarize
 from .report import format_table, plot
@@ -412,6 +415,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", default="sdpa", choices=("context", "paged", "sdpa"),
                    help="decode attention's KV reads: the engine's SDPA gather (CUDA path today), a paged "
                         "kernel, or the ideal real context")
+    p.add_argument("--replay-exits", type=Path, metavar="FILE",
+                   help="a recorded-exits file (infer.bench --record-exits): its requests' lengths and the depths "
+                        "its scores decide, instead of --mean-depth's binomial and the trace")
+    p.add_argument("--replay-threshold", type=float, default=None, help="with --replay-exits: default the recorded")
+    p.add_argument("--replay-r-min", type=int, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/sim"))
     # the engine's own flags (a mode's policy / refill / K / full depth and the simulator's exit
@@ -441,29 +449,45 @@ def main(argv: list[str] | None = None) -> None:
     layout = EngineConfig(**engine).resolve(cfg).kv_layout  # the cost model prices the layout the engine runs
     engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout))
     ctx = served_context(cfg, engine)
+    replay = RP.load(a.replay_exits) if a.replay_exits else None
+    if replay is not None:
+        rs = RP.engine_settings(replay, {"exit_threshold": a.replay_threshold, "r_min": a.replay_r_min})
+        pol = ExitPolicy(rs["exit_criterion"], rs["exit_threshold"], rs["r_min"], cfg.r_max, bool(a.lookahead))
+        workloads = a.workloads if "--workloads" in (argv if argv is not None else sys.argv) else list(replay["workloads"])
+    else:
+        workloads = a.workloads
     mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
     probs = binomial_depths(cfg.r_max, mean)
     host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
     cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,
                         kv_layout=layout, host=host, attention=a.attention)
     blocks = []
-    for w in a.workloads:
-        reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx,
-                             vocab_size=cfg.vocab_size)
-        depths = depths_from_distribution(probs, reqs, a.seed)
+    for w in workloads:
+        if replay is not None:
+            reqs = RP.make_replay_requests(replay, w, cfg.vocab_size, ctx, a.seed)
+            depths = RP.replay_depths(replay, w, pol)
+        else:
+            reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx,
+                                 vocab_size=cfg.vocab_size)
+            depths = depths_from_distribution(probs, reqs, a.seed)
         blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, **engine)
+        if replay is not None:
+            blk["replayed_exits"] = {"file": str(a.replay_exits), "model": replay["model"], "policy": {
+                "criterion": pol.criterion, "threshold": pol.threshold, "r_min": pol.r_min, "lookahead": pol.lookahead}}
         print(format_table(blk))
         blocks.append(blk)
     meta = {"model": a.model, "config": cfg.name, "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
             "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine, "num_requests": a.num_requests,
-            "exit_depth_distribution": probs, "mean_exit_depth_assumed": mean, "simulated": True,
+            "exit_depth_distribution": None if replay else probs, "mean_exit_depth_assumed": None if replay else mean,
+            "replay_exits": str(a.replay_exits) if replay else None, "simulated": True,
             "command": "python -m infer.sim " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
-    tag = f"{a.model}_d{mean:g}"
+    tag = f"{a.model}_replay_{a.replay_exits.stem}" if replay else f"{a.model}_d{mean:g}"
     path = a.out / f"sim_{tag}.json"
     path.write_text(json.dumps({**meta, "workloads": [{k: v for k, v in b.items() if k != "traces"} for b in blocks]},
                                indent=1, default=float))
-    png = plot(blocks, a.out / f"sim_{tag}.png", f"{a.model}, simulated GPU roofline, mean exit depth {mean:g}")
+    png = plot(blocks, a.out / f"sim_{tag}.png", f"{a.model}, simulated GPU roofline, " +
+               (f"exits replayed from {replay['model']}" if replay else f"mean exit depth {mean:g}"))
     print(f"json: {path}\nplot: {png}")
 
 
