@@ -235,6 +235,27 @@ def test_make_demo_tiny(tmp_path, capsys):
     assert (tmp_path / "bench_ouro-tiny.png").exists()
 
 
+@pytest.mark.slow
+def test_make_demo_real_structure_part(tmp_path, capsys):
+    """Part 1 of `make demo` at test size: exits recorded on ouro-demo, replayed on a dummy preset
+    (ouro-tiny here; ouro-mini in the demo), verdict lines with intervals, the H100 simulation."""
+    import json
+
+    from scripts import demo
+    assert demo.main(["--models", "ouro", "--workloads", "alpaca", "--num-requests", "3", "--repeats", "2",
+                      "--real-preset", "ouro-tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Part 1: real structure" in out and "Part 2" in out and "H100 sim (Ouro-1.4B)" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("alpaca") and "x CB [" in ln)
+    assert "work/CB" in line and "S_e2e" in line and any(v in line for v in ("faster", "slower", "within noise"))
+    doc = json.loads((tmp_path / "ouro-demo.exits.json").read_text())
+    assert doc["complete"] and len(doc["workloads"]["alpaca"]["requests"]) == 3
+    bench = json.loads((tmp_path / "bench_ouro-tiny.json").read_text())
+    res = {r["mode"]: r for r in bench["workloads"][0]["results"]}
+    assert bench["workloads"][0]["replayed_exits"]["model"].endswith("ouro-demo")
+    assert res["cdb_refill_k1"]["speedup_interval"]["rounds"] == 2
+
+
 def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
     """python -m infer.bench_host on the current engine (it once broke silently when the engine's
     defaults changed): every stage kind has median and p90, attention rows are counted."""
