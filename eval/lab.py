@@ -121,7 +121,11 @@ def card(ev: dict, run_dir: Path, command: str, model: Path, note: Path | None =
          f"{args['time_limit_min']} min); embedding std {args['embed_std']}; "
          f"{100 * args.get('recall_frac', 0):.0f}% of the records replaced by recall records (the statements, `|`, "
          "the statements again with every right-hand side predicted: one-hop look-ups, training only)"
-         + (f"; curriculum over the first {100 * args['curriculum']:.0f}%" if args.get("curriculum") else "") + ".",
+         + (f"; curriculum over the first {100 * args['curriculum']:.0f}%" if args.get("curriculum") else "")
+         + (f"; mastery curriculum: training starts on {args['min_hops']}-hop records and the next level joins "
+            f"when the hardest trained one reaches {100 * args['curriculum_em']:.0f}% validation exact match at "
+            "full depth (checked every " + str(args["eval_every"]) + " steps)" if args.get("curriculum_em") else "")
+         + ".",
          f"- Stage II: exit gate (LM frozen), {args['gate_steps']} steps, {summ['gate_s'] / 60:.1f} min, label "
          f"'CE now within {args['gate_margin']} of CE at r_max'; default threshold q = {summ['threshold']} chosen "
          f"on the validation split (seed {args['val_seed']}) as the smallest mean depth within "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 TPS = "bench/output_tokens_per_s"
 LAYOUT_MARKERS = {"last_exited": "o", "shared": "s", "full_depth": "D"}
+BREAK_TOL = 0.01  # accuracy "breaks" once it falls more than this (1 point) below full depth
 
 
 def lower_is_better(metric: str) -> bool:
@@ -23,6 +24,28 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
             front.append(i)
             best = points[i][1]
     return sorted(front, key=lambda i: points[i][0])
+
+
+def knee(points: list[tuple[float, float]]) -> int | None:
+    """Index of the knee of a Pareto front given by x (the front's order): the point farthest from
+    the chord between its two ends, on axes scaled to [0, 1]. None for fewer than 3 points."""
+    if len(points) < 3:
+        return None
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    sx, sy = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    P = [((x - xs[0]) / sx, (y - ys[0]) / sy) for x, y in points]
+    ex, ey = P[-1]
+    norm = math.hypot(ex, ey) or 1.0
+    dist = [abs(ex * py - ey * px) / norm for px, py in P]
+    i = max(range(1, len(P) - 1), key=dist.__getitem__)
+    return i if dist[i] > 0 else None
+
+
+def breaks_after(points: list[tuple[float, float]], ref: float, tol: float) -> int | None:
+    """Index of the fastest front point (x order) whose y stays within `tol` of `ref` (higher y is
+    better; `ref` the full-depth accuracy): past it, accuracy breaks. None if none keeps it."""
+    keep = [i for i, (_, y) in enumerate(points) if y >= ref - tol]
+    return max(keep, key=lambda i: points[i][0]) if keep else None
 
 
 def _num(v) -> float:
@@ -71,6 +94,23 @@ def _pareto_panel(ax, rows: list[dict], metric: str, colors: dict[str, str]) -> 
     ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], "k--", lw=1)
     for i in front:
         ax.annotate(rows[i]["name"], xy[i], fontsize=5, xytext=(3, 3), textcoords="offset points")
+    # the full-depth reference, the front's knee, and the fastest point that keeps full-depth accuracy
+    full = [i for i in ok if rows[i].get("policy") == "cb"]
+    for i in full:
+        ax.annotate("full depth", xy[i], fontsize=7, xytext=(-8, -12), textcoords="offset points")
+    pts = [(xy[i][0], sign * xy[i][1]) for i in front]
+    k = knee(pts)
+    if k is not None:
+        ax.scatter(*xy[front[k]], s=160, facecolors="none", edgecolors="red", lw=1.2)
+        ax.annotate("knee", xy[front[k]], fontsize=7, color="red", xytext=(6, -10), textcoords="offset points")
+    if full and sign > 0:
+        ref = max(xy[i][1] for i in full)
+        b = breaks_after(pts, ref, BREAK_TOL)
+        if b is not None and b < len(front) - 1:
+            x = (xy[front[b]][0] + xy[front[b + 1]][0]) / 2
+            ax.axvline(x, color="red", ls=":", lw=1)
+            ax.annotate(f"accuracy breaks (> {BREAK_TOL:g} below full depth)", (x, ax.get_ylim()[0]), fontsize=6,
+                        color="red", rotation=90, xytext=(2, 4), textcoords="offset points", va="bottom")
     ax.set_xlabel("output tokens/s (offline bench)")
     ax.set_ylabel(metric + (" (lower is better)" if sign < 0 else ""))
     ax.set_title("dashed: Pareto front", fontsize=8)

@@ -192,6 +192,15 @@ def test_grid_dedupes_equal_policies_and_adds_baselines():
     assert pareto_front([(1, 1), (2, 0.5), (0.5, 2), (0.4, 0.4), (2, 0.4)]) == [2, 0, 1]
 
 
+def test_pareto_knee_and_where_accuracy_breaks():
+    from eval.plots import breaks_after, knee
+    front = [(100, 0.99), (150, 0.985), (200, 0.97), (260, 0.60), (300, 0.30)]  # by throughput
+    assert knee(front) == 2  # the last point before the collapse
+    assert knee(front[:2]) is None and knee([(0, 0), (1, 1), (2, 2)]) is None  # a straight front has no knee
+    assert breaks_after(front, ref=0.99, tol=0.01) == 1  # 0.985 keeps full depth's accuracy, 0.97 does not
+    assert breaks_after(front, ref=0.999, tol=0.0) is None
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "eval" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_sweeps_are_valid(path):
     spec = sweep.load_sweep(path)
