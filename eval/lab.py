@@ -44,19 +44,20 @@ def run(llm, records: list[dict], **overrides) -> dict:
            "mean_exit_depth": float(np.mean(all_depths)),
            "mean_exit_depth_by_token_difficulty": {str(k): float(np.mean(v)) for k, v in sorted(depth_by.items())},
            "easy_mean_depth": float(np.mean(easy)), "hard_mean_depth": float(np.mean(hard)),
-           "hard_over_easy": float(np.mean(hard) / np.mean(easy)), "wall_s": round(time.time() - t0, 1)}
+           "hard_over_easy": float(np.mean(hard) / np.mean(easy)), "wall_s": round(time.time() - t0, 1),
+           "seconds": time.time() - t0, "output_tokens": sum(len(o.token_ids) for o in outs)}
     return res
 
 
 def evaluate(model: str | Path, seed: int, n: int, min_hops: int = 1, max_hops: int = 4, chains: int = 3,
-             thresholds=(0.5, 0.7, 0.9), r_mins=(1, 2), full: bool = True) -> dict:
+             thresholds=(0.5, 0.7, 0.9), r_mins=(1, 2), full: bool = True, kv_layout: str | None = None) -> dict:
     from infer.engine.llm import LLM
     records = generate(seed, n, min_hops, max_hops, chains)
-    llm = LLM(str(model), policy="cdb", max_batch_size=128, dtype="float32", device="cpu")
+    llm = LLM(str(model), policy="cdb", max_batch_size=128, dtype="float32", device="cpu", kv_layout=kv_layout)
     cfg = llm.model.cfg
     out = {"model": str(model), "heldout": {"generator": "train.tasks.hops", "seed": seed, "n": n,
                                             "min_hops": min_hops, "max_hops": max_hops, "chains": chains},
-           "r_max": cfg.r_max, "threshold": cfg.exit_threshold}
+           "r_max": cfg.r_max, "threshold": cfg.exit_threshold, "kv_layout": llm.engine.config.kv_layout}
     out["fixed_depth"] = [run(llm, records, r_min=d, r_max=d) | {"depth": d} for d in range(1, cfg.r_max + 1)]
     out["gate"] = run(llm, records) | {"threshold": cfg.exit_threshold, "r_min": cfg.r_min}
     if full:
@@ -112,8 +113,7 @@ def card(ev: dict, run_dir: Path, command: str, model: Path, note: Path | None =
          "shuffled chains of assignments `b=a;a=4;...;?b,...:` answered `b=4,...`. A value needing h hops "
          "needs h dependent look-ups, about one per layer, so a single pass of the 2-layer block cannot "
          "answer the deep chains while names, `=`, `,` and `.` (copies and format) are easy at depth 1.", "",
-         "## Training", f"Command: `{command}` (one CPU thread, `nice -n 10`, on a 2-core machine shared with "
-         "other jobs).", "",
+         "## Training", f"Command: `{command}` (one CPU thread, on a 2-core machine shared with other jobs).", "",
          f"- Stage I: {summ['stage1_steps']} steps of {args['batch']} freshly generated records (difficulty "
          f"{args['min_hops']}..{args['max_hops']} hops, {args['chains']} chains), {summ['stage1_s'] / 60:.1f} min; "
          f"cross-entropy on the answer tokens at every loop step (weights {args['step_weights']}), AdamW lr "
@@ -162,6 +162,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-hops", type=int, default=4)
     p.add_argument("--chains", type=int, default=3)
     p.add_argument("--out", type=Path)
+    p.add_argument("--kv-layout", default=None, help="default: the checkpoint's")
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9], help="the sweep's exit thresholds")
+    p.add_argument("--r-mins", type=int, nargs="+", default=[1, 2], help="the sweep's r_min values")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--card", action="store_true", help="also write MODEL/README.md and loss_curve.png")
     p.add_argument("--run-dir", type=Path)
@@ -172,7 +175,8 @@ def main(argv=None) -> None:
     import torch
     if a.threads:
         torch.set_num_threads(a.threads)
-    ev = evaluate(a.model, a.seed, a.n, a.min_hops, a.max_hops, a.chains, full=not a.no_sweep)
+    ev = evaluate(a.model, a.seed, a.n, a.min_hops, a.max_hops, a.chains, a.thresholds, a.r_mins,
+                  full=not a.no_sweep, kv_layout=a.kv_layout)
     txt = json.dumps(ev, indent=2)
     if a.out:
         a.out.write_text(txt + "\n")

@@ -88,11 +88,6 @@ def test_checkpoint_loads_and_decodes():
     assert 0 <= r["acc"] <= 1 and 1 <= r["mean_exit_depth"] <= llm.model.cfg.r_max
 
 
-# Issue 24's acceptance test. The checkpoint shipped so far (one hour of CPU training on a loaded
-# 2-core machine) has not learned the look-ups: its accuracy is that of guessing a permutation of the
-# chains' digits at every depth (checkpoints/lab-hops/README.md). strict: remove the mark once a
-# checkpoint that needs its loops is shipped.
-@pytest.mark.xfail(strict=True, reason="issue 24: the shipped lab checkpoint has not learned the hops yet")
 def test_checkpoint_needs_its_loops():
     """On 64 held-out items the shipped checkpoint at full depth beats its own depth-1 accuracy by
     >= 40 points, through the engine; the learned gate sends value tokens deeper than copies."""
@@ -109,4 +104,5 @@ def test_checkpoint_needs_its_loops():
     full = run(llm, recs, r_min=r_max, r_max=r_max)
     assert full["acc"] - d1["acc"] >= 0.40, (d1["acc"], full["acc"])
     gate = run(llm, recs)
-    assert gate["hard_mean_depth"] > gate["easy_mean_depth"]
+    assert gate["hard_mean_depth"] >= 1.5 * gate["easy_mean_depth"], gate["mean_exit_depth_by_token_difficulty"]
+    assert gate["acc"] >= full["acc"] - 0.05  # the default threshold keeps the accuracy

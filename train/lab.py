@@ -2,6 +2,7 @@
 (`train/tasks/hops.py`), so that accuracy needs loops and easy tokens can leave early.
 
     python -m train.lab --run-dir .cache/runs/lab-hops --save-to checkpoints/lab-hops --threads 1
+    python -m train.lab tokens --seed 11 --n 4000 --out .cache/lab/train.npy   (token windows for shared_kv.py)
 
 Tokenizer: ids 0-2 the project's special tokens, then `a=`..`z=` (a name being defined, or
 answered, is one token), single characters and `|` (recall records); 73 ids. With `x=` one token, one look-up is the
@@ -268,7 +269,27 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
+def write_tokens(argv: list[str]) -> None:
+    """`python -m train.lab tokens --seed S --n N --out FILE.npy`: records of the task encoded back
+    to back (prompt, answer, EOS), int32: token windows for train/shared_kv.py --tokens."""
+    p = argparse.ArgumentParser(prog="python -m train.lab tokens", description=write_tokens.__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--min-hops", type=int, default=1)
+    p.add_argument("--max-hops", type=int, default=4)
+    a = p.parse_args(argv)
+    ids = [t for r in generate(a.seed, a.n, a.min_hops, a.max_hops) for t in encode(r["prompt"] + r["answer"]) + [0]]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(a.out, np.asarray(ids, dtype=np.int32))
+    print(f"wrote {a.out}: {len(ids)} tokens of {a.n} records (seed {a.seed})")
+
+
 def main(argv=None) -> None:
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tokens"]:
+        return write_tokens(argv[1:])
     a = parse(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
