@@ -3,9 +3,9 @@
     python -m scripts.demo                 # about 5 minutes on 2 CPU cores
     python -m scripts.demo --tiny          # seconds: one random-weight preset, 4 requests (tests)
 
-Part 1, real structure. A 2M-parameter demo model spends about as long in the engine's host code
-(~50 us per stage) as in its layers, so on it the noise and the per-stage overhead decide whether
-CDB beats CB. Part 1 therefore runs Ouro's structure at a size where a core step costs
+Part 1, real structure. A stage of a 2M-parameter demo model costs its fixed per-launch time
+(torch's eager dispatch of every op, the engine's ~50 us of host code), almost independent of
+its FLOPs, so on it the noise and the per-stage overhead decide whether CDB beats CB. Part 1 therefore runs Ouro's structure at a size where a core step costs
 milliseconds (the `ouro-mini` preset, dummy weights: no download) and gives it real per-token exit
 depths: those of the trained checkpoints/ouro-demo, recorded once on the same requests
 (infer/bench/replay.py). Per workload it prints CDB's speedup over CB as the median of paired
@@ -16,8 +16,12 @@ replayed depths.
 
 Part 2, the demo checkpoints (checkpoints/ouro-demo, checkpoints/huginn-demo): the same table for
 the models as trained, with the measured time of a core step beside CB's fused iteration, which
-says why their CDB ratio is a coin toss on a CPU (fixed per-stage costs, not FLOPs). Without the checkpoints it falls back to the
-random-weight presets and says so.
+says why their CDB ratio is a coin toss on a CPU (fixed per-stage costs, not FLOPs). Without the
+checkpoints it falls back to the random-weight presets and says so.
+
+Part 3, the lab checkpoint (checkpoints/lab-hops, trained by train/lab.py on k-hop variable
+chasing): exact match on held-out items and tokens/s for CB at full depth and CDB at three exit
+thresholds, where accuracy, not only perplexity, moves with the threshold.
 """
 from __future__ import annotations
 
@@ -40,6 +44,10 @@ CHECKPOINT_POLICY = {"huginn": dict(exit_criterion="learned", exit_threshold=0.9
 # Part 1: Ouro's structure at a size whose core step costs milliseconds on one CPU thread (looplm/presets.py)
 REAL_PRESET = "ouro-mini"
 REAL_REPEATS = 6  # paired interleaved repeats per mode: enough for a bootstrap interval of the median ratio
+# Part 3: the lab checkpoint (train/lab.py) on its held-out split (eval/tasks/data/lab_hops.jsonl's seed)
+LAB = ROOT / "checkpoints" / "lab-hops"
+LAB_HELDOUT_SEED = 7
+LAB_THRESHOLDS = (0.3, 0.5, 0.8)  # 0.8: the checkpoint's default
 
 
 def pick_model(arch: str, tiny: bool) -> tuple[str, str | None]:
@@ -141,6 +149,38 @@ def real_structure(a, workloads: list[str], n: int, repeats: int, bar, out: Path
     return lines
 
 
+def lab_tradeoff(repeats: int, thresholds=LAB_THRESHOLDS, n: int = 64) -> list[str]:
+    """Part 3: the lab checkpoint (a model that needs its loops) on held-out k-hop items: exact
+    match and tokens/s for CB at full depth and CDB at a few exit thresholds, repeats interleaved,
+    each CDB setting's speedup over CB with its interval."""
+    from eval.lab import run
+    from infer.bench.offline import ratio_interval
+    from infer.engine.llm import LLM
+    from train.tasks.hops import generate
+
+    recs = generate(LAB_HELDOUT_SEED, n)
+    cb = LLM(str(LAB), policy="cb", max_batch_size=n)
+    cdb = LLM(str(LAB), policy="cdb", max_batch_size=n)
+    rows = [("CB, full depth", cb, {})] + [(f"CDB q={q}", cdb, {"exit_threshold": q}) for q in thresholds]
+    res: dict[str, list[dict]] = {name: [] for name, *_ in rows}
+    for rep in range(repeats):
+        for name, llm, ov in (rows if rep % 2 == 0 else rows[::-1]):
+            res[name].append(run(llm, recs, **ov))
+    cb_s = [r["seconds"] for r in res["CB, full depth"]]
+    lines = [f"\n##### Part 3: {LAB.relative_to(ROOT)} (k-hop variable chasing; a model that needs its loops), "
+             f"{n} held-out items (seed {LAB_HELDOUT_SEED}), greedy, {repeats} interleaved repeats",
+             f"{'setting':16s} {'exact match':>11s} {'4 hops':>7s} {'depth':>6s} {'hard/easy':>9s} {'tok/s':>8s}  "
+             "speedup over CB [95% interval]"]
+    for name, *_ in rows:
+        r = res[name][0]
+        tps = sorted(x["output_tokens"] / x["seconds"] for x in res[name])[len(res[name]) // 2]
+        iv = ratio_interval(cb_s, [x["seconds"] for x in res[name]]) if name != "CB, full depth" else None
+        lines.append(f"{name:16s} {100 * r['acc']:10.1f}% {100 * r['acc_by_difficulty'].get('4', float('nan')):6.1f}% "
+                     f"{r['mean_exit_depth']:6.2f} {r['hard_over_easy']:9.2f} {tps:8.0f}  "
+                     + (f"{iv['median']:.2f}x [{iv['lo']:.2f}, {iv['hi']:.2f}] {iv['verdict']}" if iv else "1.00x"))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a few seconds: ouro-tiny preset, 4 alpaca requests at 0.3x length, 1 repeat")
@@ -150,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help=f"part 1's paired repeats, default {REAL_REPEATS}; "
                    "part 2: 2 (tiny: 1)")
     p.add_argument("--no-real", action="store_true", help="skip part 1 (the real-structure run)")
+    p.add_argument("--no-lab", action="store_true", help="skip part 3 (the lab checkpoint's accuracy trade-off)")
     p.add_argument("--real-preset", default=REAL_PRESET, help="part 1's model: a preset built with dummy weights "
                    "(its r_max must be ouro-demo's, 4)")
     p.add_argument("--max-batch-size", type=int, default=16)
@@ -176,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for arch in models:
         src, note = pick_model(arch, a.tiny)
         ks = [1] if a.tiny else ([1, 4] if arch == "ouro" else [1, max(1, a.max_batch_size // 4)])
-        plan.append((arch, src, note, modes_for(ks, full_depth=a.tiny)))
+        # CB and CDB refill (the tiny setting also keeps no-refill, the separate-prefill CB and full depth)
+        modes = [m for m in modes_for(ks, norefill=a.tiny, full_depth=a.tiny) if a.tiny or m["name"] != "cb_separate"]
+        plan.append((arch, src, note, modes))
     total = sum(len(m) for *_, m in plan) * len(workloads) * repeats * n + real * 2 * real_repeats * len(workloads) * n
     print(f"CB vs CDB offline benchmark; workloads {', '.join(workloads)}; {n} requests each, EOS ignored; lengths "
           f"scaled to fit each model's context; {torch.get_num_threads()} CPU thread(s)"
@@ -184,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     bar = tqdm(total=total, desc="demo", unit="req", file=sys.stderr)
     lines = real_structure(a, workloads, n, real_repeats, bar, a.out) if real else []
+    lab = not (a.tiny or a.no_lab) and (LAB / "config.json").exists()
+    lab_lines = lab_tradeoff(3) if lab else []
     reports = []
     for arch, src, note, modes in plan:
         model, tok = load_model(src)
@@ -219,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(b))
             print("  stage costs: " + stage_costs(b))
         print(f"json: {paths['json']}\nplot: {paths['png']}")
+    for line in lab_lines:
+        print(line)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -3,6 +3,7 @@
 
     python -m train.lab --run-dir .cache/runs/lab-hops --save-to checkpoints/lab-hops --threads 1
     python -m train.lab tokens --seed 11 --n 4000 --out .cache/lab/train.npy   (token windows for shared_kv.py)
+    python -m train.lab lengths --seed 7 --n 400 --out eval/tasks/data/lab_hops_lengths.csv   (a bench trace)
 
 Tokenizer: ids 0-2 the project's special tokens, then `a=`..`z=` (a name being defined, or
 answered, is one token), single characters and `|` (recall records); 73 ids. With `x=` one token, one look-up is the
@@ -285,11 +286,28 @@ def write_tokens(argv: list[str]) -> None:
     print(f"wrote {a.out}: {len(ids)} tokens of {a.n} records (seed {a.seed})")
 
 
+def write_lengths(argv: list[str]) -> None:
+    """`python -m train.lab lengths --seed S --n N --out FILE.csv`: each record's prompt and answer
+    (+ EOS) token counts, a length trace for the benchmarks (`--workloads FILE.csv`, a sweep's
+    bench_workload), so throughput is measured on the task's own shapes."""
+    p = argparse.ArgumentParser(prog="python -m train.lab lengths", description=write_lengths.__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    rows = [(len(encode(r["prompt"])), len(encode(r["answer"])) + 1) for r in generate(a.seed, a.n)]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text("prompt_tokens,output_tokens\n" + "".join(f"{p},{o}\n" for p, o in rows))
+    print(f"wrote {a.out}: {len(rows)} rows (seed {a.seed})")
+
+
 def main(argv=None) -> None:
     import sys
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["tokens"]:
         return write_tokens(argv[1:])
+    if argv[:1] == ["lengths"]:
+        return write_lengths(argv[1:])
     a = parse(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -100,7 +100,8 @@ def make_requests(workload: str, num_requests: int, *, seed: int = 0, scale: flo
     rng = random.Random(f"{workload}:{seed}")
     idx = rng.sample(range(len(rows)), num_requests) if num_requests <= len(rows) else \
         [rng.randrange(len(rows)) for _ in range(num_requests)]
-    pool, starts = _text_pool(workload, tokenizer) if tokenizer is not None else (None, None)
+    # real text for the named workloads; a CSV of lengths has no texts: random ids
+    pool, starts = _text_pool(workload, tokenizer) if tokenizer is not None and workload in TEXTS else (None, None)
     out = []
     for i in idx:
         p, o = rows[i]
