@@ -106,3 +106,16 @@ def test_checkpoint_needs_its_loops():
     gate = run(llm, recs)
     assert gate["hard_mean_depth"] >= 1.5 * gate["easy_mean_depth"], gate["mean_exit_depth_by_token_difficulty"]
     assert gate["acc"] >= full["acc"] - 0.05  # the default threshold keeps the accuracy
+
+
+def test_lengths_trace_is_the_heldout_split_and_benches():
+    """eval/tasks/data/lab_hops_lengths.csv (the lab sweep's bench workload) holds the held-out items'
+    prompt and answer (+ EOS) token counts, and a CSV trace builds requests even with a tokenizer."""
+    from infer.bench.workloads import load_trace, make_requests
+    from looplm.io import load_tokenizer
+    from train.lab import encode
+    path = ROOT / "eval/tasks/data/lab_hops_lengths.csv"
+    rows = load_trace(str(path))
+    assert rows == tuple((len(encode(r["prompt"])), len(encode(r["answer"])) + 1) for r in generate(HELDOUT_SEED, 400))
+    reqs = make_requests(str(path), 8, max_model_len=128, vocab_size=73, tokenizer=load_tokenizer(CKPT))
+    assert len(reqs) == 8 and all(3 <= t < 73 for r in reqs for t in r.prompt_ids)
