@@ -210,3 +210,38 @@ def test_sample_depth_respects_bounds_and_mean():
     assert min(draws) == 4 and max(draws) == 8  # clipped to [min_depth, r_max], both ends reached
     plain = [sample_depth(rng, 3.0, 0.5, 32) for _ in range(4000)]
     assert min(plain) == 1 and abs(np.mean(plain) - 3.0) < 0.2  # Poisson-lognormal keeps its mean when unclipped
+
+
+def test_shared_kv_loss_mask_counts_only_masked_targets(tmp_path):
+    """--loss-mask: the mask windows are drawn with the batch's own starts, and the LM loss and gate
+    labels ignore the targets outside the mask (changing them changes nothing); an all-ones mask is
+    the unmasked loss."""
+    from train import shared_kv
+    from train.datasource import from_npy
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 256, 4000)
+    mask = (np.arange(4000) % 3 == 0).astype(np.uint8)
+    np.save(tmp_path / "t.npy", ids)
+    np.save(tmp_path / "m.npy", mask)
+    data = from_npy(tmp_path / "t.npy", mask=tmp_path / "m.npy")
+    b, bm = data.batch(4, 32, [0, 1]), data.batch_mask(4, 32, [0, 1])
+    # each mask window sits where its token window starts
+    for row, mrow in zip(b.tolist(), bm.tolist()):
+        hits = [s for s in range(len(ids) - 32) if ids[s:s + 33].tolist() == row]
+        assert hits and all(mrow == (mask[s:s + 33] != 0).tolist() for s in hits)
+    a = shared_kv.parse(["--model", "x", "--output", str(tmp_path / "o"), "--layout", "shared"])
+    m = tiny_model("ouro-tiny", std=0.05, exit_criterion="learned", exit_threshold=0.6, dtype=torch.float64)
+    obj = shared_kv.SharedKVObjective(m, a, shared_kv.policy_for(m.cfg, a))
+    loss = lambda batch, mk: obj(batch, obj(batch, mode="pass1"), mode="pass2", mask=mk)  # noqa: E731
+    base = loss(b, bm)
+    # a target outside the mask does not count: change only the last token (a target, never an input)
+    last = b.clone()
+    mk = torch.zeros_like(bm)
+    mk[:, :-1] = True  # every target but the last counts
+    last2 = last.clone()
+    last2[:, -1] = (last2[:, -1] + 7) % 256
+    assert torch.allclose(loss(last, mk)["lm"], loss(last2, mk)["lm"])
+    assert not torch.allclose(loss(last, None)["lm"], loss(last2, None)["lm"])
+    assert torch.allclose(loss(b, torch.ones_like(bm))["lm"], loss(b, None)["lm"])
+    assert torch.isfinite(base["lm"]) and base["lm"] != loss(b, None)["lm"]

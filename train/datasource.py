@@ -36,6 +36,9 @@ class Tokens:
     heldout: np.ndarray
     packed: bool = False
     meta: dict = field(default_factory=dict)
+    # loss masks aligned with the token streams (1: the token is a target that counts), or None
+    train_mask: np.ndarray | None = None
+    heldout_mask: np.ndarray | None = None
 
     def batch(self, batch: int, ctx: int, seed: list[int]) -> torch.Tensor:
         if not self.packed:
@@ -43,10 +46,17 @@ class Tokens:
         rows = np.random.default_rng(seed).integers(0, len(self.train), size=batch)
         return torch.from_numpy(self.train[rows]).long()
 
+    def batch_mask(self, batch: int, ctx: int, seed: list[int]) -> torch.Tensor | None:
+        """The loss mask of `batch(batch, ctx, seed)`'s windows (the same seed draws the same starts)."""
+        return None if self.train_mask is None else random_windows(self.train_mask, batch, ctx, seed).bool()
+
     def eval(self, ctx: int, max_windows: int | None) -> torch.Tensor:
         if not self.packed:
             return eval_windows(self.heldout, ctx, max_windows)
         return torch.from_numpy(self.heldout[:max_windows]).long()
+
+    def eval_mask(self, ctx: int, max_windows: int | None) -> torch.Tensor | None:
+        return None if self.heldout_mask is None else eval_windows(self.heldout_mask, ctx, max_windows).bool()
 
 
 def sha(arr: np.ndarray) -> str:
@@ -163,18 +173,31 @@ def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldou
     return Tokens(train, held, packed=True, meta=meta)
 
 
-def from_npy(tokens: Path, heldout: Path | None = None) -> Tokens:
-    for f in (tokens, heldout):
+def from_npy(tokens: Path, heldout: Path | None = None, mask: Path | None = None,
+             heldout_mask: Path | None = None) -> Tokens:
+    """Token ids from .npy files; `mask` / `heldout_mask`: loss masks of the same lengths (.npy,
+    nonzero = the token counts as a target), e.g. a task's answer tokens only."""
+    for f in (tokens, heldout, mask, heldout_mask):
         if f is not None and not Path(f).exists():
             raise UserError(f"no such token file: {f}")
     ids = np.load(tokens).astype(np.int64)
+    m = None if mask is None else np.load(mask).astype(np.int64) != 0
+    if m is not None and len(m) != len(ids):
+        raise UserError(f"--loss-mask {mask} has {len(m)} entries, the tokens {len(ids)}")
     if heldout is not None:
         held = np.load(heldout).astype(np.int64)
-        train = ids
+        train, train_m = ids, m
+        held_m = None if heldout_mask is None else np.load(heldout_mask).astype(np.int64) != 0
+        if held_m is not None and len(held_m) != len(held):
+            raise UserError(f"--heldout-loss-mask {heldout_mask} has {len(held_m)} entries, the tokens {len(held)}")
     else:
         cut = len(ids) * 9 // 10
         train, held = ids[:cut], ids[cut:]
-    return Tokens(train, held, meta={"source": str(tokens), "train_tokens": int(len(train)), "train_sha256": sha(train)})
+        train_m, held_m = (None, None) if m is None else (m[:cut], m[cut:])
+    meta = {"source": str(tokens), "train_tokens": int(len(train)), "train_sha256": sha(train)}
+    if m is not None:
+        meta["loss_mask"] = str(mask)
+    return Tokens(train, held, meta=meta, train_mask=train_m, heldout_mask=held_m)
 
 
 def corpus_missing_message(tokenizer_dir: Path, corpus: Path = CORPUS) -> str | None:

@@ -2,7 +2,8 @@
 (`train/tasks/hops.py`), so that accuracy needs loops and easy tokens can leave early.
 
     python -m train.lab --run-dir .cache/runs/lab-hops --save-to checkpoints/lab-hops --threads 1
-    python -m train.lab tokens --seed 11 --n 4000 --out .cache/lab/train.npy   (token windows for shared_kv.py)
+    python -m train.lab tokens --seed 11 --n 4000 --out .cache/lab/train.npy --mask-out .cache/lab/train_mask.npy
+        (token windows and the answer-only loss mask for shared_kv.py)
     python -m train.lab lengths --seed 7 --n 400 --out eval/tasks/data/lab_hops_lengths.csv   (a bench trace)
 
 Tokenizer: ids 0-2 the project's special tokens, then `a=`..`z=` (a name being defined, or
@@ -279,11 +280,19 @@ def write_tokens(argv: list[str]) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--min-hops", type=int, default=1)
     p.add_argument("--max-hops", type=int, default=4)
+    p.add_argument("--mask-out", type=Path, help="also write the loss mask (1: an answer token or its EOS), for "
+                   "shared_kv.py --loss-mask")
     a = p.parse_args(argv)
-    ids = [t for r in generate(a.seed, a.n, a.min_hops, a.max_hops) for t in encode(r["prompt"] + r["answer"]) + [0]]
+    ids, mask = [], []
+    for r in generate(a.seed, a.n, a.min_hops, a.max_hops):
+        prompt, answer = encode(r["prompt"]), encode(r["answer"]) + [0]
+        ids += prompt + answer
+        mask += [0] * len(prompt) + [1] * len(answer)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(a.out, np.asarray(ids, dtype=np.int32))
-    print(f"wrote {a.out}: {len(ids)} tokens of {a.n} records (seed {a.seed})")
+    if a.mask_out:
+        np.save(a.mask_out, np.asarray(mask, dtype=np.uint8))
+    print(f"wrote {a.out}: {len(ids)} tokens of {a.n} records (seed {a.seed})" + (f", mask {a.mask_out}" if a.mask_out else ""))
 
 
 def write_lengths(argv: list[str]) -> None:

@@ -64,9 +64,12 @@ class SharedKVObjective(nn.Module):
         self.model, self.a, self.policy = model, a, policy
         self.autocast: str | None = None  # the autocast dtype seen in the first forward (mixed precision)
 
-    def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "pass2"):
+    def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "pass2",
+                mask: torch.Tensor | None = None):
+        """`mask` [B, T+1] (--loss-mask): the windows' tokens that count as targets (None: all)."""
         a, m, pol = self.a, self.model, self.policy
         ids, tgt = batch[:, :-1], batch[:, 1:]
+        tm = None if mask is None else mask[:, 1:]
         if self.autocast is None:
             dev = batch.device.type
             self.autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else "off"
@@ -79,8 +82,8 @@ class SharedKVObjective(nn.Module):
         sw = sweep(m, ids, pol, a.layout, prev, a.prompt_len, step_logits=True, checkpoint=a.gradient_checkpointing)
         ce_exit = token_ce(sw.exit_logits, tgt)
         ce_steps = torch.stack([token_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
-        lm = ce_exit.mean() + a.step_loss * ce_steps.mean()
-        out = {"lm": lm, "ce_exit": ce_exit.mean().detach(), "ce_full": ce_steps[-1].mean().detach(),
+        lm = masked_mean(ce_exit, tm) + a.step_loss * masked_mean(ce_steps, tm)
+        out = {"lm": lm, "ce_exit": masked_mean(ce_exit, tm).detach(), "ce_full": masked_mean(ce_steps[-1], tm).detach(),
                "mean_depth": sw.depths[:, a.prompt_len:].double().mean()}
         if a.train in ("all", "gate") and m.gate_logits(sw.states[0][:1, :1]) is not None:
             S = len(sw.states)
@@ -92,6 +95,8 @@ class SharedKVObjective(nn.Module):
             depth = torch.arange(1, S, device=g.device)[:, None, None] + shift
             mask = ((depth >= a.r_min) & (depth < S)).expand_as(g).clone()
             mask[:, :, : a.prompt_len] = False
+            if tm is not None:
+                mask &= tm[None]
             bce = F.binary_cross_entropy_with_logits(g.double(), labels, reduction="none")
             out["gate"] = (bce * mask).sum() / mask.sum().clamp(min=1)
             out["stop_frac"] = (labels * mask).sum() / mask.sum().clamp(min=1)
@@ -101,22 +106,34 @@ class SharedKVObjective(nn.Module):
         return out
 
 
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of x [..., B, T] over the positions where mask [B, T] is set (all without a mask)."""
+    if mask is None:
+        return x.mean()
+    m = mask.expand_as(x)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
 def policy_for(cfg, a: argparse.Namespace, threshold: float | None = None) -> ExitPolicy:
     return ExitPolicy.from_config(cfg, criterion=a.criterion, threshold=threshold if threshold is not None else a.threshold,
                                   r_min=a.r_min, lookahead=a.lookahead)
 
 
 @torch.no_grad()
-def quick_eval(model, windows: torch.Tensor, a, policy: ExitPolicy, layout: str) -> dict:
-    """Held-out ppl / mean depth under `layout` after `--eval-sweeps` sweeps (evaluate.py is exact)."""
+def quick_eval(model, windows: torch.Tensor, a, policy: ExitPolicy, layout: str,
+               masks: torch.Tensor | None = None) -> dict:
+    """Held-out ppl / mean depth under `layout` after `--eval-sweeps` sweeps (evaluate.py is exact);
+    with `masks` (--heldout-loss-mask) over the counted targets only."""
     ce, depth = [], []
     for i in range(0, len(windows), a.batch):
         w = windows[i:i + a.batch].to(model.device)
         cur = None
         for _ in range(a.eval_sweeps if layout != "full_depth" else 1):
             cur = sweep(model, w[:, :-1], policy, layout, cur, a.prompt_len)
-        ce.append(token_ce(cur.exit_logits, w[:, 1:])[:, a.prompt_len:].flatten())
-        depth.append(cur.depths[:, a.prompt_len:].flatten().double())
+        keep = (torch.ones_like(w[:, 1:], dtype=torch.bool) if masks is None else
+                masks[i:i + a.batch, 1:].to(model.device))[:, a.prompt_len:]
+        ce.append(token_ce(cur.exit_logits, w[:, 1:])[:, a.prompt_len:][keep])
+        depth.append(cur.depths[:, a.prompt_len:][keep].double())
     return {"ppl": float(torch.cat(ce).mean().exp()), "mean_depth": float(torch.cat(depth).mean())}
 
 
@@ -173,6 +190,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="--dataset without a validation/test split: this share of the packed windows is held out")
     p.add_argument("--tokens", type=Path, help=".npy token ids to train on (default: the built corpus)")
     p.add_argument("--heldout-tokens", type=Path, help=".npy held-out token ids")
+    p.add_argument("--loss-mask", type=Path, help=".npy aligned with --tokens: nonzero where a token counts as a "
+                   "target (LM loss, gate labels), e.g. a task's answers only (python -m train.lab tokens --mask-out)")
+    p.add_argument("--heldout-loss-mask", type=Path, help="the same for --heldout-tokens (the held-out ppl)")
     p.add_argument("--tokenizer", type=Path, default=None, help="default: the model folder's, else .cache/tokenizer")
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=100)
@@ -210,7 +230,7 @@ def load_data(a, tokenizer_dir: Path, acc) -> Tokens:
         return from_dataset(a.dataset, a.text_column, tokenizer_dir, a.ctx, a.heldout_frac,
                             is_main=acc.is_main_process, wait=acc.wait_for_everyone)
     if a.tokens is not None:
-        return from_npy(a.tokens, a.heldout_tokens)
+        return from_npy(a.tokens, a.heldout_tokens, a.loss_mask, a.heldout_loss_mask)
     train, held = from_corpus(("train", "heldout"), tokenizer_dir)
     return Tokens(train, held, meta={"source": "corpus", "train_tokens": int(len(train))})
 
@@ -292,7 +312,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     if int(data.train.max()) >= model.cfg.vocab_size:
         raise UserError(f"the training tokens reach id {int(data.train.max())} but the model's vocabulary has "
                         f"{model.cfg.vocab_size} (another tokenizer? pass --tokenizer)")
-    val = data.eval(a.ctx, a.eval_windows)
+    val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
     gate_names = {n for n, _ in model.named_parameters() if "exit_gate" in n}
     for n, p in model.named_parameters():
         p.requires_grad_(a.train == "all" or (a.train == "gate") == (n in gate_names))
@@ -301,7 +321,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     if ck is None and acc.is_main_process and a.eval_windows:
         model.eval()
         rec = {"step": 0, **{f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                             for k, v in quick_eval(model, val, a, policy, lay).items()}}
+                             for k, v in quick_eval(model, val, a, policy, lay, val_mask).items()}}
         hist.records = []
         hist.log(rec)
         acc.print(json.dumps(rec))
@@ -340,12 +360,15 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         acc.print(f"resumed from {ck} at step {step}")
     t0, ran, logs, first_batch = time.time(), 0, [], None
     while step < a.steps and (a.max_steps_this_run is None or ran < a.max_steps_this_run):
-        batch = data.batch(a.batch, a.ctx, [a.seed, step, acc.process_index]).to(acc.device)
+        seed = [a.seed, step, acc.process_index]
+        batch = data.batch(a.batch, a.ctx, seed).to(acc.device)
+        bmask = data.batch_mask(a.batch, a.ctx, seed)
+        bmask = None if bmask is None else bmask.to(acc.device)
         if first_batch is None:
             first_batch = batch.tolist()
         obj.train()
         prev = obj(batch, mode="pass1")
-        out = obj(batch, prev, mode="pass2")
+        out = obj(batch, prev, mode="pass2", mask=bmask)
         opt.zero_grad(set_to_none=True)
         acc.backward(out["loss"])
         acc.clip_grad_norm_(obj.parameters(), a.clip)
@@ -362,7 +385,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
                 if acc.is_main_process:
                     m.eval()
                     rec.update({f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                                for k, v in quick_eval(m, val, a, policy, lay).items()})
+                                for k, v in quick_eval(m, val, a, policy, lay, val_mask).items()})
             if acc.is_main_process:
                 hist.log(rec)
                 if wb is not None:
