@@ -16,9 +16,10 @@ MODES = [m for m in offline.modes_for([1, 4], norefill=True, full_depth=True) if
 BASE = {"max_batch_size": 4, "exit_threshold": THRESHOLD}
 
 
-def _bench(m, modes=MODES, **kw):
+def _bench(m, modes=MODES, base=None, **kw):
+    # a small pool: every mode's engine stays alive for the run, and the CPU default is 512 MB each
     return offline.bench_workload(m, None, "alpaca", num_requests=5, scale=0.05, seed=1, modes=modes, repeats=1,
-                                  warmup=False, **kw)
+                                  warmup=False, base={"kv_cache_tokens": 2048, **(base or {})}, **kw)
 
 
 def _doc(tmp_path, blk, m, name="rec.json"):
@@ -52,7 +53,6 @@ def test_record_then_replay_at_the_recorded_policy_reproduces_the_live_depths(tm
     assert replayed["replayed_exits"]["threshold"] == THRESHOLD
 
 
-@pytest.mark.slow
 def test_complete_recording_replays_any_threshold_and_other_models(tmp_path):
     m = model("ouro-tiny")
     blk = _bench(m, base={**BASE, "r_min": m.cfg.r_max}, record=True)
@@ -116,6 +116,7 @@ def test_sim_replays_a_recording(tmp_path):
     RP.write(path, model="ouro-tiny", policy=rec["policy"], model_r_min=1, kv_layout=rec["kv_layout"],
              workloads={"alpaca": {"scale": 0.05, "seed": 1, "requests": rec["requests"]}})
     sim.main(["--model", "ouro-1.4b", "--replay-exits", str(path), "--replay-threshold", "0.55", "--ks", "1",
+              "--kv-cache-tokens", "32768", "--max-prefill-tokens", "512",
               "--host-json", "none", "--out", str(tmp_path / "sim")])
     out = json.loads(next((tmp_path / "sim").glob("sim_*.json")).read_text())
     want = RP.replay_depths(RP.load(path), "alpaca", ExitPolicy(rec["policy"].criterion, 0.55, 1, 4))
