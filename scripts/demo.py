@@ -106,7 +106,7 @@ def real_structure(a, workloads: list[str], n: int, repeats: int, bar, out: Path
     import json
 
     from infer.bench import replay as RP, sim
-    from infer.bench.offline import bench_workload, modes_for
+    from infer.bench.offline import bench_workload, modes_for, record_workload, write_recorded
     from infer.bench.report import format_table, model_meta, write_outputs
     from infer.engine.llm import load_model
 
@@ -115,15 +115,9 @@ def real_structure(a, workloads: list[str], n: int, repeats: int, bar, out: Path
     r_max = rec_model.cfg.r_max
     # every step's score (r_min = r_max while recording), so the replay may use the checkpoint's own policy
     rec_base = dict(max_batch_size=a.max_batch_size, r_min=r_max)
-    rec = {}
-    for w in workloads:
-        blk = bench_workload(rec_model, rec_tok, w, num_requests=n, scale="auto", seed=0,
-                             modes=[{"name": "cb", "policy": "cb"}], repeats=1, base=rec_base, warmup=False, record=True)
-        rec[w] = (blk["workload"], blk["recorded_exits"])
     exits = out / "ouro-demo.exits.json"
-    first = next(iter(rec.values()))[1]
-    RP.write(exits, model=src, policy=first["policy"], model_r_min=rec_model.cfg.r_min, kv_layout=first["kv_layout"],
-             workloads={w: {"scale": wl["scale"], "seed": 0, "requests": r["requests"]} for w, (wl, r) in rec.items()})
+    write_recorded(exits, [record_workload(rec_model, rec_tok, w, num_requests=n, scale="auto", seed=0, base=rec_base)
+                           for w in workloads], rec_model, src, seed=0)
     doc = RP.load(exits)
     model, tok = load_model(a.real_preset, "float32", load_format="dummy")
     modes = modes_for([1], norefill=False, full_depth=False)

@@ -340,9 +340,28 @@ def record_exits(model, tokenizer, reqs: list[Request], base: dict) -> dict:
             s.tracker = RP.RecordingTracker(s.policy)
 
     raw = run_engine(eng, mode, reqs, keep_trace=False, prepare=prepare)
-    rows = [s.tracker.rows if s.tracker is not None else [] for s in seqs]
+    rows = [s.tracker.rows for s in seqs]
     return {"policy": eng.policy, "kv_layout": eng.config.kv_layout, "requests": RP.record_block(rows, reqs),
             "exit_depths": raw["exit_depths"]}
+
+
+def record_workload(model, tokenizer, workload: str, *, num_requests: int, scale: float | str = 1.0, seed: int = 0,
+                    base: dict | None = None) -> dict:
+    """Only the recording pass of `bench_workload(..., record=True)` (no timed modes): the requests
+    sized to the engine's context, recorded. Returns a block with "workload" and "recorded_exits"."""
+    base = dict(base or {})
+    ctx_len = make_engine(model, tokenizer, {"name": "cdb", "policy": "cdb"}, base).max_model_len
+    reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_model_len=ctx_len,
+                         vocab_size=model.cfg.vocab_size, tokenizer=tokenizer)
+    return {"workload": describe(reqs, workload, scale, ctx_len), "recorded_exits": record_exits(model, tokenizer, reqs, base)}
+
+
+def write_recorded(path: Path, blocks: list[dict], model, source: str, seed: int) -> None:
+    """Write the recorded exits of a run's workload blocks (taken out of them) as one file."""
+    rec = [b.pop("recorded_exits") for b in blocks]
+    RP.write(path, model=source, policy=rec[0]["policy"], model_r_min=model.cfg.r_min, kv_layout=rec[0]["kv_layout"],
+             workloads={b["workload"]["workload"]: {"scale": b["workload"]["scale"], "seed": seed,
+                                                    "requests": r["requests"]} for b, r in zip(blocks, rec)})
 
 
 def headline(results: list[dict]) -> dict:
@@ -443,11 +462,7 @@ def main(argv: list[str] | None = None) -> None:
                              replay=replay) for w in workloads]
     bar.close()
     if a.record_exits:
-        rec = [b.pop("recorded_exits") for b in blocks]
-        RP.write(a.record_exits, model=str(a.model), policy=rec[0]["policy"], model_r_min=model.cfg.r_min,
-                 kv_layout=rec[0]["kv_layout"],
-                 workloads={b["workload"]["workload"]: {"scale": b["workload"]["scale"], "seed": a.seed,
-                                                        "requests": r["requests"]} for b, r in zip(blocks, rec)})
+        write_recorded(a.record_exits, blocks, model, str(a.model), a.seed)
         print(f"recorded exits: {a.record_exits}")
     name = Path(str(a.model)).name
     meta = {**model_meta(model, str(a.model), tok), "title": f"{name}: speedup over CB vs the bound",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -401,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
                    "benchmarked model (default: the one in the trace file)")
     p.add_argument("--fitted", type=Path, default=None, help="replay a bench trace file (infer.bench --save-trace) "
                    "with the latency model fitted on it, and compare with the measured throughput")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
+                   help="default: all three (with --replay-exits: the file's)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
@@ -453,9 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     if replay is not None:
         rs = RP.engine_settings(replay, {"exit_threshold": a.replay_threshold, "r_min": a.replay_r_min})
         pol = ExitPolicy(rs["exit_criterion"], rs["exit_threshold"], rs["r_min"], cfg.r_max, bool(a.lookahead))
-        workloads = a.workloads if "--workloads" in (argv if argv is not None else sys.argv) else list(replay["workloads"])
-    else:
-        workloads = a.workloads
+    workloads = a.workloads or (list(replay["workloads"]) if replay is not None else list(WORKLOADS))
     mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
     probs = binomial_depths(cfg.r_max, mean)
     host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
