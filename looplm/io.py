@@ -75,9 +75,11 @@ def load_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype = "float32",
-                    device: str | torch.device = "cpu", **overrides) -> LoopedLM:
+                    device: str | torch.device = "cpu", layer_split: str | None = None, **overrides) -> LoopedLM:
     """Load a looped LM from an HF-format folder (or a hub id when online).
-    `overrides` replace config fields (e.g. r_max=16 for Huginn)."""
+    `overrides` replace config fields (e.g. r_max=16 for Huginn). `layer_split` "P-C-Q" (Huginn
+    only) keeps the first P prelude, C core and Q coda layers and drops the rest
+    (looplm/layer_split.py)."""
     folder = resolve_path(path_or_hub_id)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder}: no config.json (not a checkpoint folder)")
@@ -89,6 +91,9 @@ def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype 
         from .config import replace
         cfg = replace(cfg, **overrides)
     state = load_state(folder)
+    if layer_split is not None:
+        from .layer_split import apply_layer_split
+        cfg, state = apply_layer_split(cfg, state, layer_split)
     return model_from_state(cfg, state, dtype, device)
 
 

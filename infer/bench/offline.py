@@ -26,6 +26,7 @@ from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_fro
 from infer.engine.llm import LOAD_FORMATS, load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
+from looplm.layer_split import split_of
 
 from . import bounds as B
 from . import replay as RP
@@ -430,6 +431,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights (real shapes, no "
                         "weights file)")
+    p.add_argument("--layer-split", default=None, metavar="P-C-Q",
+                   help="Huginn only: keep the first P prelude, C core and Q coda layers (e.g. 0-4-0, 1-4-1 of "
+                        "Huginn-3.5B's 2-4-2; the paper's layer-split ablation): the text is meaningless, the cost "
+                        "structure is what changes")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for infer.latency fit)")
@@ -452,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--record-exits and --replay-exits: record first, then replay in another run")
     replay = RP.load(a.replay_exits) if a.replay_exits else None
     workloads = a.workloads or (list(replay["workloads"]) if replay else list(WORKLOADS))
-    model, tok = load_model(a.model, a.dtype, a.device, load_format=a.load_format)
+    model, tok = load_model(a.model, a.dtype, a.device, load_format=a.load_format, layer_split=a.layer_split)
     base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)
     n_req = sum(len(RP.requests_of(replay, w)) for w in workloads) if replay else len(workloads) * a.num_requests
@@ -462,10 +467,12 @@ def main(argv: list[str] | None = None) -> None:
                              replay=replay) for w in workloads]
     bar.close()
     if a.record_exits:
-        write_recorded(a.record_exits, blocks, model, str(a.model), a.seed)
+        write_recorded(a.record_exits, blocks, model,
+                       str(a.model) + (f" (layer split {split_of(model.cfg)})" if a.layer_split else ""), a.seed)
         print(f"recorded exits: {a.record_exits}")
-    name = Path(str(a.model)).name
-    meta = {**model_meta(model, str(a.model), tok), "title": f"{name}: speedup over CB vs the bound",
+    name = Path(str(a.model)).name + (f"_split{split_of(model.cfg)}" if a.layer_split else "")
+    meta = {**model_meta(model, str(a.model), tok), "layer_split": a.layer_split,
+            "title": f"{name}: speedup over CB vs the bound",
             "command": "python -m infer.bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
             "threads": torch.get_num_threads()}
     for b in blocks:

@@ -97,7 +97,7 @@ def write_outputs(blocks: list[dict], meta: dict, out: Path, name: str, save_tra
         paths["trace"] = out / f"trace_{name}.json"
         # everything the simulator needs to replay the runs (python -m infer.sim --fitted FILE)
         paths["trace"].write_text(json.dumps({
-            "model": meta.get("model"),
+            "model": meta.get("model"), "layer_split": meta.get("layer_split"),
             "trace": {f"{b['workload']['workload']}/{m}": t for b in blocks for m, t in b["traces"].items()},
             "exit_depths": {b["workload"]["workload"]: b["exit_depths"] for b in blocks},
             "runs": {b["workload"]["workload"]: {

@@ -33,6 +33,7 @@ from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
 from kv_layouts import DEFAULT_LAYOUT, layout_class
 from looplm.config import LoopConfig
+from looplm.layer_split import split_config, split_of
 from looplm.policy import ExitPolicy
 from looplm.presets import PAPER_MODELS, paper_config
 
@@ -366,13 +367,16 @@ ENGINE_FIELDS = frozenset(EngineConfig.field_names()) - {"policy", "refill", "mi
                                                          "seed"}
 
 
-def replay_fitted(trace_file: Path, model: str | None = None) -> list[dict]:
+def replay_fitted(trace_file: Path, model: str | None = None, layer_split: str | None = None) -> list[dict]:
     """Re-run a bench's workloads (python -m infer.bench --save-trace) on the simulator with the
     latency model fitted on that bench's own step traces, pooled over every mode of a workload,
-    and the recorded exit depths. Returns one block per workload with `measured_tokens_per_s`."""
+    and the recorded exit depths. Returns one block per workload with `measured_tokens_per_s`.
+    `layer_split` (default: the bench's own, in the trace file) splits the model's config."""
     data = json.loads(Path(trace_file).read_text())
     src = model or data.get("model")
     cfg = paper_config(src) if src in PAPER_MODELS else load_model(src)[0].cfg
+    split = layer_split or data.get("layer_split")
+    cfg = split_config(cfg, split) if split else cfg
     blocks = []
     for w, run in data["runs"].items():
         wl = run["workload"]
@@ -400,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
                    "benchmarked model (default: the one in the trace file)")
     p.add_argument("--fitted", type=Path, default=None, help="replay a bench trace file (infer.bench --save-trace) "
                    "with the latency model fitted on it, and compare with the measured throughput")
+    p.add_argument("--layer-split", default=None, metavar="P-C-Q",
+                   help="Huginn only: the model with its first P prelude, C core and Q coda layers (e.g. 0-4-0 or "
+                        "1-4-1 of huginn-3.5b's 2-4-2; with --fitted default the bench's)")
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
                    help="default: all three (with --replay-exits: the file's)")
     p.add_argument("--num-requests", type=int, default=256)
@@ -429,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.fitted is not None:
-        blocks = replay_fitted(a.fitted, None if a.model == "ouro-1.4b" else a.model)
+        blocks = replay_fitted(a.fitted, None if a.model == "ouro-1.4b" else a.model, a.layer_split)
         for b in blocks:
             print(format_table(b))
             print(f"{'mode':16s} {'measured':>10s} {'simulated':>10s} {'error':>7s}   (output tokens/s; fitted cost model)")
@@ -445,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.model not in PAPER_MODELS:
         p.error(f"--model must be one of {sorted(PAPER_MODELS)} without --fitted")
     cfg = paper_config(a.model)
+    cfg = split_config(cfg, a.layer_split) if a.layer_split else cfg
+    label = f"{a.model} split {split_of(cfg)}" if a.layer_split else a.model  # how outputs name the model
     engine = engine_kwargs_from_args(a)
     layout = EngineConfig(**engine).resolve(cfg).kv_layout  # the cost model prices the layout the engine runs
     engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout))
@@ -474,17 +483,19 @@ def main(argv: list[str] | None = None) -> None:
                 "criterion": pol.criterion, "threshold": pol.threshold, "r_min": pol.r_min, "lookahead": pol.lookahead}}
         print(format_table(blk))
         blocks.append(blk)
-    meta = {"model": a.model, "config": cfg.name, "cost_model": "roofline", "bandwidth": cost.bandwidth,
+    meta = {"model": a.model, "config": cfg.name, "layer_split": a.layer_split and split_of(cfg),
+            "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
             "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine, "num_requests": a.num_requests,
             "exit_depth_distribution": None if replay else probs, "mean_exit_depth_assumed": None if replay else mean,
             "replay_exits": str(a.replay_exits) if replay else None, "simulated": True,
             "command": "python -m infer.sim " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
-    tag = f"{a.model}_replay_{a.replay_exits.stem}" if replay else f"{a.model}_d{mean:g}"
+    stem = a.model + (f"_split{split_of(cfg)}" if a.layer_split else "")
+    tag = f"{stem}_replay_{a.replay_exits.stem}" if replay else f"{stem}_d{mean:g}"
     path = a.out / f"sim_{tag}.json"
     path.write_text(json.dumps({**meta, "workloads": [{k: v for k, v in b.items() if k != "traces"} for b in blocks]},
                                indent=1, default=float))
-    png = plot(blocks, a.out / f"sim_{tag}.png", f"{a.model}, simulated GPU roofline, " +
+    png = plot(blocks, a.out / f"sim_{tag}.png", f"{label}, simulated GPU roofline, " +
                (f"exits replayed from {replay['model']}" if replay else f"mean exit depth {mean:g}"))
     print(f"json: {path}\nplot: {png}")
 

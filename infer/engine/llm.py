@@ -10,7 +10,8 @@ from looplm import PAPER_MODELS, PRESETS, LoopConfig, dummy_model, load_pretrain
     tiny_model
 from looplm.config import replace
 from looplm.errors import ParamError
-from looplm.io import resolve_dtype, resolve_path
+from looplm.io import model_from_state, resolve_dtype, resolve_path
+from looplm.layer_split import apply_layer_split, split_config
 from looplm.model import LoopedLM
 
 from .config import EngineConfig
@@ -22,29 +23,45 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_max: int | None = None,
-               load_format: str = "auto"):
+               load_format: str = "auto", layer_split: str | None = None):
     """(model, tokenizer or None) from a checkpoint folder / hub id, a tiny preset name (random
     weights: tests and demos), one of the paper's model shapes ("ouro-1.4b", "huginn-3.5b" and their
     fewer-layer variants: random weights), or a LoopedLM. `load_format="dummy"` (vLLM's name): a
-    folder's config.json (and tokenizer) with random weights; its weights file is never read."""
+    folder's config.json (and tokenizer) with random weights; its weights file is never read.
+    `layer_split="P-C-Q"` (Huginn only, looplm/layer_split.py): keep the first P prelude, C core and
+    Q coda layers of the checkpoint (of a tiny preset's or a LoopedLM's weights likewise); the
+    random-weight paper shapes and dummy folders take the split into their config alone."""
     if load_format not in LOAD_FORMATS:
         raise ParamError("load_format", f"unknown load_format {load_format!r}; supported: {LOAD_FORMATS}")
     kw = {} if r_max is None else {"r_max": r_max}
     if isinstance(model, LoopedLM):
-        return model.to(device=device, dtype=resolve_dtype(dtype)).eval(), None
+        m = model.to(device=device, dtype=resolve_dtype(dtype)).eval()
+        return (_split_weights(m, layer_split) if layer_split is not None else m), None
     if isinstance(model, str) and model in PRESETS:
-        return tiny_model(model, dtype=resolve_dtype(dtype), **kw).to(device), None
+        m = tiny_model(model, dtype=resolve_dtype(dtype), **kw).to(device)
+        return (_split_weights(m, layer_split) if layer_split is not None else m), None
     if isinstance(model, str) and model in PAPER_MODELS:
-        return dummy_model(paper_config(model, **kw), resolve_dtype(dtype), device), None
+        return dummy_model(_split_cfg(paper_config(model, **kw), layer_split), resolve_dtype(dtype), device), None
     if load_format == "dummy":
         folder = resolve_path(model)
         if not (folder / "config.json").exists():
             raise ParamError("model", f"{folder}: no config.json (load_format='dummy' builds the model it describes)")
         cfg = LoopConfig.from_json(folder / "config.json")
         cfg = replace(cfg, **kw) if kw else cfg
-        return dummy_model(cfg, resolve_dtype(dtype), device), load_tokenizer(folder)
-    m = load_pretrained(model, dtype=dtype, device=device, **kw)
+        return dummy_model(_split_cfg(cfg, layer_split), resolve_dtype(dtype), device), load_tokenizer(folder)
+    m = load_pretrained(model, dtype=dtype, device=device, layer_split=layer_split, **kw)
     return m, load_tokenizer(Path(model)) if Path(model).is_dir() else None
+
+
+def _split_cfg(cfg: LoopConfig, layer_split: str | None) -> LoopConfig:
+    return cfg if layer_split is None else split_config(cfg, layer_split)
+
+
+def _split_weights(m: LoopedLM, layer_split: str) -> LoopedLM:
+    """An in-memory model's surviving layers (the same selection as a checkpoint's)."""
+    p = next(m.parameters())
+    cfg, state = apply_layer_split(m.cfg, dict(m.state_dict()), layer_split)
+    return model_from_state(cfg, state, p.dtype, p.device)
 
 
 class LLM:
@@ -54,9 +71,10 @@ class LLM:
     resolved settings are `llm.config`."""
 
     def __init__(self, model: str | Path | LoopedLM, *, dtype: str = "float32", device: str = "cpu",
-                 r_max: int | None = None, tokenizer=None, load_format: str = "auto", **settings):
+                 r_max: int | None = None, tokenizer=None, load_format: str = "auto", layer_split: str | None = None,
+                 **settings):
         config = EngineConfig.from_kwargs(settings)  # unknown names fail before the model loads
-        m, tok = load_model(model, dtype, device, r_max, load_format)
+        m, tok = load_model(model, dtype, device, r_max, load_format, layer_split)
         self.model, self.tokenizer = m, tokenizer if tokenizer is not None else tok
         self.engine = LLMEngine(m, config, self.tokenizer)
 

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights, no weights file "
                         "read (vLLM's --load-format dummy)")
+    m.add_argument("--layer-split", default=None, metavar="P-C-Q",
+                   help="Huginn only: keep the first P prelude, C core and Q coda layers (e.g. 0-4-0; the text is "
+                        "meaningless, for throughput)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_engine_args(p)
     s = p.add_argument_group("server")
@@ -65,7 +68,7 @@ def make_server(a: argparse.Namespace):
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format)
+    model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format, a.layer_split)
     engine = LLMEngine(model, engine_config_from_args(a), tok)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
     app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes,
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         print("warning: this model has no tokenizer: /v1/completions takes token-id prompts only (no text, stop "
               "strings or chat)", file=sys.stderr, flush=True)
     c = aeng.engine.config
-    run(server, sock, f"serving {a.model} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, "
+    split = f" (layer split {a.layer_split})" if a.layer_split else ""
+    run(server, sock, f"serving {a.model}{split} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, "
                       f"{c.kv_layout})")
 
 

@@ -75,7 +75,8 @@ class Replica:
 
         if a.device == "cpu":
             torch.set_num_threads(a.threads or 1)  # the share of cores Ray reserved (num_cpus)
-        model, tok = load_model(a.model, a.dtype, a.device, a.r_max, getattr(a, "load_format", "auto"))
+        model, tok = load_model(a.model, a.dtype, a.device, a.r_max, getattr(a, "load_format", "auto"),
+                                getattr(a, "layer_split", None))
         self.aeng = AsyncEngine(LLMEngine(model, engine_config_from_args(a), tok), max_waiting=a.max_waiting)
         self.app = build_app(self.aeng, served_name(a), a.api_key, a.max_request_bytes,
                              echo_logprobs_depth=a.echo_logprobs_depth)
