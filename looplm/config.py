@@ -16,7 +16,8 @@ from .errors import ParamError
 
 ARCHS = ("ouro", "huginn")
 MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "huginn"}
-CRITERIA = ("ouro_gate", "learned", "kl", "latent_diff", "entropy_diff", "none")
+CRITERIA = ("ouro_gate", "learned", "lookahead_gate", "preloop", "kl", "latent_diff", "entropy_diff", "none")
+GATE_CRITERIA = ("ouro_gate", "learned")  # read the stock gate head: what train/distill_gate.py distils from
 
 
 @dataclass
@@ -45,6 +46,15 @@ class LoopConfig:
     r_min: int = 1
     kv_layout: str | None = None  # the KV layout the checkpoint was adapted to (train/shared_kv.py)
     exit_lookahead: bool | None = None  # its exit gate was trained for lookahead
+    # heads distilled from the stock gate (train/distill_gate.py; weights in exit_gates.safetensors):
+    # a lookahead head (Linear(d -> 1) on the gate's input, its score after step s decides "exit after
+    # s+1") and a preloop gate (Linear(d -> r_max) on the prelude output: an exit-depth distribution
+    # known before the loop). `gate_teacher` is the stock criterion they were distilled from: the
+    # lookahead head's score follows its rule (ouro_gate: the exit CDF of its hazards; learned: the
+    # per-step probability)
+    lookahead_gate: bool = False
+    preloop_gate: bool = False
+    gate_teacher: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -71,8 +81,16 @@ class LoopConfig:
                 raise ValueError("the ouro architecture is 0-L-0 (n_prelude = n_coda = 0)")
         if self.exit_criterion not in CRITERIA:
             raise ValueError(f"unknown exit_criterion {self.exit_criterion!r}; supported: {CRITERIA}")
-        if self.exit_criterion in ("ouro_gate", "learned") and not self.exit_gate:
+        if self.exit_criterion in GATE_CRITERIA and not self.exit_gate:
             raise ValueError(f"exit_criterion {self.exit_criterion!r} needs a gate head (exit_gate=true)")
+        if self.gate_teacher is not None and self.gate_teacher not in GATE_CRITERIA:
+            raise ValueError(f"gate_teacher must be one of {GATE_CRITERIA}, got {self.gate_teacher!r}")
+        if self.lookahead_gate and self.gate_teacher is None:
+            raise ValueError("lookahead_gate=true needs gate_teacher (the stock criterion it was distilled from)")
+        for crit, key in (("lookahead_gate", "lookahead_gate"), ("preloop", "preloop_gate")):
+            if self.exit_criterion == crit and not getattr(self, key):
+                raise ValueError(f"exit_criterion {crit!r} needs a distilled {key} head ({key}=true; "
+                                 f"train/distill_gate.py writes one)")
         check_depths(self.r_min, self.r_max)
 
     @property
@@ -110,7 +128,9 @@ class LoopConfig:
     def to_dict(self) -> dict[str, Any]:
         ours = {"exit_criterion": self.exit_criterion, "exit_threshold": self.exit_threshold,
                 "r_min": self.r_min, "exit_gate": self.exit_gate}
-        ours.update({k: getattr(self, k) for k in ("kv_layout", "exit_lookahead") if getattr(self, k) is not None})
+        ours.update({k: getattr(self, k) for k in ("kv_layout", "exit_lookahead", "gate_teacher")
+                     if getattr(self, k) is not None})
+        ours.update({k: True for k in ("lookahead_gate", "preloop_gate") if getattr(self, k)})
         if self.arch == "ouro":
             d = {
                 "model_type": "ouro", "architectures": ["OuroForCausalLM"],
@@ -148,8 +168,8 @@ class LoopConfig:
 
 
 def _ours(d: dict[str, Any]) -> dict[str, Any]:
-    out = {k: d[k] for k in ("exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead")
-           if k in d}
+    out = {k: d[k] for k in ("exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead",
+                             "lookahead_gate", "preloop_gate", "gate_teacher") if k in d}
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = d.get(k)
         if isinstance(v, list):  # HF allows a list of eos ids; the first is the canonical one
@@ -172,6 +192,7 @@ _HUGINN_KEYS = {"model_type", "architectures", "vocab_size", "padded_vocab_size"
                 "mean_recurrence", "norm_eps", "rope_base", "block_size", "qk_bias", "bias",
                 "tie_embeddings", "injection_type", "state_init", "init_values"}
 _OUR_KEYS = {"exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead",
+             "lookahead_gate", "preloop_gate", "gate_teacher",
              "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids"}
 
 

@@ -9,6 +9,26 @@ import torch.nn.functional as F
 from .policy import DEFAULT_THRESHOLDS, OUTPUT_CRITERIA, ExitPolicy, ExitTracker  # noqa: F401  (re-export)
 
 
+def score_rule(criterion: str, cfg) -> str:
+    """The score arithmetic a criterion runs: the distilled lookahead head's is its teacher's (on
+    its own logits); the preloop criterion scores nothing during the loop."""
+    return cfg.gate_teacher if criterion == "lookahead_gate" else criterion
+
+
+def gate_for(model, criterion: str, state: torch.Tensor) -> torch.Tensor | None:
+    """The gate logits a criterion reads after a core step (None: it reads none)."""
+    if criterion in ("ouro_gate", "learned"):
+        return model.gate_logits(state)
+    if criterion == "lookahead_gate":
+        return model.lookahead_logits(state)
+    return None
+
+
+def preloop_cdf(model, state: torch.Tensor, inj: torch.Tensor | None) -> torch.Tensor:
+    """The preloop gate's exit-depth CDF [N, r_max] (float64) from the prelude's output."""
+    return torch.softmax(model.preloop_logits(state, inj).double(), dim=-1).cumsum(-1)
+
+
 def initial_aux(criterion: str, n: int, vocab: int, device) -> torch.Tensor | None:
     """The criterion memory of a token before its first step (batched runners keep it per slot)."""
     if criterion == "kl":

@@ -50,6 +50,7 @@ class HuginnLM(LoopedLM):
             self.lm_head.weight = self.transformer.wte.weight
         if cfg.exit_gate:
             self.exit_gate = nn.Linear(d, 1)
+        self.add_distilled_gates()
 
     def prelude(self, ids, rope, attend_for: AttendFor, init_scale: float = 0.0):
         e = self.transformer.wte(ids) * self.cfg.embed_scale
@@ -71,10 +72,11 @@ class HuginnLM(LoopedLM):
             x = block(x, rope, attend_for("core", i))
         return x
 
-    def gate_logits(self, state):
-        if not self.cfg.exit_gate:
-            return None
-        return self.exit_gate(self.transformer.ln_f(state)).squeeze(-1)
+    def gate_features(self, state):
+        return self.transformer.ln_f(state)
+
+    def stock_gate(self):
+        return self.exit_gate if self.cfg.exit_gate else None
 
     def coda(self, state, rope, attend_for: AttendFor):
         x = self.transformer.ln_f(state)

@@ -19,6 +19,8 @@ from .huginn import HuginnLM
 from .model import LoopedLM
 from .ouro import OuroLM
 
+GATES_FILE = "exit_gates.safetensors"  # heads distilled by train/distill_gate.py, beside the model's own tensors
+DISTILLED_PREFIXES = ("lookahead_exit_gate.", "preloop_exit_gate.")
 IGNORED_KEYS = ("freqs_cis",)  # Huginn's persistent RoPE buffer: we compute RoPE on the fly
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
@@ -94,7 +96,30 @@ def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype 
     if layer_split is not None:
         from .layer_split import apply_layer_split
         cfg, state = apply_layer_split(cfg, state, layer_split)
+    if cfg.lookahead_gate or cfg.preloop_gate:
+        state.update(load_gates(folder))
     return model_from_state(cfg, state, dtype, device)
+
+
+def load_gates(folder: Path) -> dict[str, torch.Tensor]:
+    """The distilled heads of a checkpoint whose config.json names them (lookahead_gate / preloop_gate)."""
+    f = folder / GATES_FILE
+    if not f.exists():
+        raise FileNotFoundError(f"{folder}: config.json names distilled exit gates but {GATES_FILE} is missing "
+                                f"(train/distill_gate.py writes it)")
+    with safe_open(str(f), framework="pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def save_gates(model: LoopedLM, folder: str | os.PathLike) -> Path:
+    """Write the model's distilled heads to GATES_FILE and their keys into config.json, leaving the
+    model's own tensors untouched (a real checkpoint's shards are not rewritten)."""
+    out = Path(folder)
+    state = {k: v.detach().float().cpu().contiguous().clone() for k, v in model.state_dict().items()
+             if k.startswith(DISTILLED_PREFIXES)}
+    save_file(state, str(out / GATES_FILE), metadata={"format": "pt"})
+    model.cfg.save(out / "config.json")
+    return out / GATES_FILE
 
 
 def model_from_state(cfg: LoopConfig, state: dict[str, torch.Tensor], dtype: str | torch.dtype = "float32",
@@ -134,7 +159,7 @@ def save_pretrained(model: LoopedLM, out_dir: str | os.PathLike, dtype: str | to
     cfg = model.cfg
     dt = resolve_dtype(dtype) if dtype is not None else None
     state = {k: (v.to(dt) if dt is not None else v).detach().cpu().contiguous().clone()
-             for k, v in model.state_dict().items()}
+             for k, v in model.state_dict().items() if not k.startswith(DISTILLED_PREFIXES)}
     if cfg.arch == "huginn":
         # the reference registers RoPE as a persistent buffer; keep it so the folder loads there too
         half = cfg.head_dim // 2
@@ -167,6 +192,8 @@ def save_pretrained(model: LoopedLM, out_dir: str | os.PathLike, dtype: str | to
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+    if cfg.lookahead_gate or cfg.preloop_gate:
+        save_gates(model, out)
     return out
 
 

@@ -46,9 +46,37 @@ class LoopedLM(nn.Module):
         """One application of the shared block."""
         raise NotImplementedError
 
+    def gate_features(self, state: torch.Tensor) -> torch.Tensor:
+        """What the stock exit gate reads from a loop state (the distilled lookahead head reads the same)."""
+        raise NotImplementedError
+
+    def stock_gate(self) -> nn.Linear | None:
+        """The stock exit-gate head (Ouro's early_exit_gate, our Huginn exit_gate), None without one."""
+        raise NotImplementedError
+
     def gate_logits(self, state: torch.Tensor) -> torch.Tensor | None:
         """Pre-sigmoid exit-gate score of a loop state (None without a gate head)."""
-        raise NotImplementedError
+        gate = self.stock_gate()
+        return None if gate is None else gate(self.gate_features(state)).squeeze(-1)
+
+    # ---- heads distilled from the stock gate (train/distill_gate.py) ------------------------------
+    def add_distilled_gates(self) -> None:
+        """Create the heads the config names (call at the end of an architecture's __init__): a
+        lookahead head Linear(d -> 1) on the stock gate's input, whose score after step s predicts the
+        stock gate's at step s+1, and a preloop gate Linear(d -> r_max) on the prelude output."""
+        d = self.cfg.hidden_size
+        if self.cfg.lookahead_gate:
+            self.lookahead_exit_gate = nn.Linear(d, 1)
+        if self.cfg.preloop_gate:
+            self.preloop_exit_gate = nn.Linear(d, self.cfg.r_max)
+
+    def lookahead_logits(self, state: torch.Tensor) -> torch.Tensor:
+        return self.lookahead_exit_gate(self.gate_features(state)).squeeze(-1)
+
+    def preloop_logits(self, state: torch.Tensor, inj: torch.Tensor | None) -> torch.Tensor:
+        """[..., r_max] exit-depth logits from the prelude's output: Huginn's injection input (its
+        initial loop state is zeros), Ouro's embedding (its initial loop state)."""
+        return self.preloop_exit_gate(inj if inj is not None else state)
 
     def coda(self, state: torch.Tensor, rope, attend_for: AttendFor) -> torch.Tensor:
         """Loop state -> hidden state the head reads (runs the coda layers, writing their KV)."""

@@ -47,6 +47,7 @@ class OuroLM(LoopedLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.add_distilled_gates()
 
     def prelude(self, ids, rope, attend_for: AttendFor, init_scale: float = 0.0):
         return self.model.embed_tokens(ids), None  # no scaling, no injection
@@ -57,8 +58,11 @@ class OuroLM(LoopedLM):
         # the normed state is both this step's output and the next step's input
         return self.model.norm(state)
 
-    def gate_logits(self, state):
-        return self.model.early_exit_gate(state).squeeze(-1)
+    def gate_features(self, state):
+        return state
+
+    def stock_gate(self):
+        return self.model.early_exit_gate
 
     def coda(self, state, rope, attend_for: AttendFor):
         return state  # coda = lm_head only

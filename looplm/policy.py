@@ -5,6 +5,12 @@ device for the whole batch); an `ExitTracker` turns the sequence of scores into 
 - `ouro_gate`: score = the exit CDF 1 - prod_j (1 - lambda_j), lambda_j = sigmoid(gate logit of
   step j); exit at the first step whose CDF >= q (Ouro's exit distribution).
 - `learned`: score = sigmoid(gate logit); exit when score >= q (a per-step "stop now" head).
+- `lookahead_gate`: a head distilled from the stock gate (train/distill_gate.py) whose score after
+  step s predicts the stock gate's at step s+1 (its teacher's rule: the CDF for ouro_gate, the
+  probability for learned); always lookahead: exit after s+1 when score >= q, so depths are >= 2.
+- `preloop`: a distilled head on the prelude output gives an exit-depth distribution before the
+  loop; the depth is the first d whose CDF >= q, clamped to [r_min, r_max] (`at_prelude`), and no
+  score is read during the loop.
 - `kl`: KL(prev || current) of the output distributions < q (prev = uniform at step 1).
 - `latent_diff`: ||s_t - s_{t-1}|| / ||s_t|| < q (s_0 = the initial state).
 - `entropy_diff`: |H_t - H_{t-1}| < q (H_0 = 100, as in Huginn's reference).
@@ -16,6 +22,7 @@ takes part in step s+2. r_max always stops the loop.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from .config import CRITERIA, LoopConfig, check_depths
@@ -23,7 +30,9 @@ from .errors import ParamError
 
 DEFAULT_THRESHOLDS = {"kl": 1e-3, "latent_diff": 0.03, "entropy_diff": 1e-3}  # Huginn's "auto" values
 OUTPUT_CRITERIA = ("kl", "entropy_diff")  # need the coda + head at every step
-PROBABILITY_CRITERIA = ("ouro_gate", "learned")  # threshold in [0, 1]
+PROBABILITY_CRITERIA = ("ouro_gate", "learned", "lookahead_gate", "preloop")  # threshold in [0, 1]
+# the criterion's head each checkpoint must carry (LoopConfig flags)
+HEADS = {"ouro_gate": "exit_gate", "learned": "exit_gate", "lookahead_gate": "lookahead_gate", "preloop": "preloop_gate"}
 DISTANCE_CRITERIA = ("kl", "latent_diff", "entropy_diff")  # threshold >= 0
 
 
@@ -38,6 +47,10 @@ class ExitPolicy:
     def __post_init__(self) -> None:
         if self.criterion not in CRITERIA:
             raise ParamError("exit_criterion", f"unknown exit criterion {self.criterion!r}; supported: {CRITERIA}")
+        # the distilled heads fix when a signal acts: the lookahead head's always decides one step
+        # ahead, the preloop gate's before the loop (so lookahead has no meaning there)
+        if self.criterion in ("lookahead_gate", "preloop"):
+            object.__setattr__(self, "lookahead", self.criterion == "lookahead_gate")
         check_depths(self.r_min, self.r_max)
         if self.threshold is not None and not math.isfinite(self.threshold):
             raise ParamError("exit_threshold", f"exit threshold must be finite, got {self.threshold}")
@@ -61,6 +74,11 @@ class ExitPolicy:
         """Config defaults with overrides. `full_depth` disables exits explicitly (never a
         threshold value: Ouro's bf16 gate can saturate to 1.0)."""
         crit = criterion or cfg.exit_criterion
+        head = HEADS.get(crit)
+        if head is not None and not getattr(cfg, head) and not full_depth:
+            raise ParamError("exit_criterion", f"exit criterion {crit!r} needs the checkpoint's {head} head, which "
+                                               f"{cfg.name} lacks" + ("" if head == "exit_gate" else
+                                                                      " (train/distill_gate.py distils one)"))
         thr = threshold if threshold is not None else cfg.exit_threshold
         if thr is None and crit in DEFAULT_THRESHOLDS:
             thr = DEFAULT_THRESHOLDS[crit]
@@ -121,6 +139,14 @@ class ExitTracker:
                     self.exit_at = self.stop_at = depth
                     self.open = False
         return s >= self.stop_at
+
+    def at_prelude(self, cdf: list[float]) -> None:
+        """The preloop criterion: fix the exit depth from the exit-depth CDF [r_max] read at the
+        prelude (the first depth whose CDF >= q, clamped to [r_min, r_max])."""
+        if self.open:
+            d = bisect_left(cdf, self._thr) + 1  # a cumsum of probabilities is non-decreasing
+            self.exit_at = self.stop_at = min(max(d, self._r_min), self._r_max)
+            self.open = False
 
     def exits_after(self, s: int) -> bool:
         return s >= self.stop_at

@@ -115,8 +115,9 @@ def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: Engine
     `config` is the engine's resolved config, `work` the run's exact work counts (work.py)."""
     stages: dict[str, dict] = {}
     for r in trace:
-        s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0})
+        s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0, "score_reads": 0})
         s["calls"] += 1
+        s["score_reads"] += r.get("score_reads", 0)  # launches whose exit scores the host read back
         s["seconds"] += r["seconds"]
         s["items"] += r["batch"]
     for s in stages.values():

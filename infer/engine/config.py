@@ -129,6 +129,11 @@ class EngineConfig:
         # ExitPolicy is then built from these fields (exit_policy)
         pol = ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
                                      r_min=self.r_min, lookahead=lookahead)
+        if self.lookahead is not None and pol.criterion in ("lookahead_gate", "preloop") and \
+                self.lookahead != (pol.criterion == "lookahead_gate"):
+            raise ParamError("lookahead", f"lookahead={self.lookahead} contradicts the {pol.criterion} criterion "
+                                          "(the lookahead head always decides one step ahead; the preloop gate "
+                                          "decides before the loop)")
         if self.max_model_len is not None and self.max_model_len > cfg.max_position:
             raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
                                               f"of {cfg.max_position} tokens")

@@ -76,7 +76,9 @@ class LLMEngine:
         self.eos_ids = {t for t in [cfg.eos_token_id, *cfg.stop_token_ids,
                                     getattr(tokenizer, "eos_token_id", None)] if t is not None}
         self.trace: list[dict] = []
-        self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}}
+        # score_reads: stages whose exit scores the host read back (core steps; the prelude under the
+        # preloop criterion, which reads each depth once and no core step's scores)
+        self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}, "score_reads": {"core": 0, "prelude": 0}}
         # logits -> tokens, depths, log-probs, text, stop rules, finish (output.py)
         self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, self.eos_ids, c.max_model_len,
                                          cfg.r_max, c.seed, self.stats)
@@ -152,6 +154,10 @@ class LLMEngine:
             self.scheduler.postprocess(work, finished=self.processor.process(work, out))
         else:
             self.scheduler.postprocess(work, scores=out)
+            if out is not None:
+                self.stats["score_reads"][STAGE_NAMES[work.stage]] += 1
+        if record is not None:
+            record["score_reads"] = int(out is not None and work.stage not in EMITS)
         self._count(work, record)
         if work.stage not in EMITS:
             return []
@@ -230,7 +236,9 @@ class LLMEngine:
         return {"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
                 "kv_usage": b.usage, "kv_free_blocks": b.num_free, "kv_total_blocks": b.num_blocks,
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
-                "stage_calls": dict(self.stats["stage_calls"]), **self.memory_metrics()}
+                "stage_calls": dict(self.stats["stage_calls"]),
+                "core_score_reads": self.stats["score_reads"]["core"],
+                "prelude_score_reads": self.stats["score_reads"]["prelude"], **self.memory_metrics()}
 
     def memory_metrics(self) -> dict:
         """KV pool, preemption and prefix-cache counters (swap bytes: KV blocks + one state slot per

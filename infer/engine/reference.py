@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_layouts import DEFAULT_LAYOUT, layout_class, make_layout
+from looplm.exits import preloop_cdf
 from looplm.model import LoopedLM
 from looplm.policy import ExitPolicy, ExitTracker
 from looplm.sampling import choose_token
@@ -80,6 +81,8 @@ def reference_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: i
         b = decode_batch(out.token_ids[-1], pos, 1, dev)
         state, inj = stages.prelude(model, layout, b)
         tracker, aux, s = ExitTracker(policy), None, 0
+        if policy.criterion == "preloop":
+            tracker.at_prelude(preloop_cdf(model, state, inj)[0].tolist())
         while True:
             s += 1
             b.steps.fill_(s)

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from kv_layouts import make_layout
-from looplm.exits import initial_aux
+from looplm.exits import initial_aux, preloop_cdf, score_rule
 from looplm.model import LoopedLM
 
 from . import mixed, stages
@@ -41,7 +41,8 @@ from .stages import TokenBatch
 class Runner(Protocol):
     """What the engine calls on a runner: one stage per `run`. Returns the `Emitted` logits of a
     stage that emits tokens (prefill, coda, fused), the exit `Scores` of a core step, None for a
-    prelude."""
+    prelude. Under the preloop criterion the prelude returns each item's exit-depth CDF (`Scores`
+    of rows) and a core step None: no score is read during the loop."""
 
     def run(self, work: Work) -> Emitted | Scores | None: ...
 
@@ -89,7 +90,9 @@ class ModelRunner:
         # the per-slot loop state (state, Huginn's injection, the criterion's memory), written by the bodies
         self.state = torch.zeros(S, D, dtype=self.dtype, device=self.device)
         self.inj = torch.zeros(S, D, dtype=self.dtype, device=self.device) if self.cfg.arch == "huginn" else None
-        self.aux = initial_aux(criterion, S, self.cfg.vocab_size, self.device)
+        self.rule = score_rule(criterion, self.cfg)  # the score arithmetic (lookahead head: its teacher's)
+        self.preloop = criterion == "preloop"
+        self.aux = initial_aux(self.rule, S, self.cfg.vocab_size, self.device)
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
         self.graphs = GraphCache(self) if cuda_graphs else None
@@ -140,7 +143,7 @@ class ModelRunner:
     # mixed launch, the prompt chunks after them (`chunks`, mixed.Chunks: their loop state in and
     # out, the rows through the head). A decode-only launch is the case chunks=None.
     def _prelude_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int,
-                      chunks: mixed.Chunks | None = None) -> None:
+                      chunks: mixed.Chunks | None = None) -> torch.Tensor | None:
         state, inj = stages.prelude(self.model, self.layout, batch)
         N = slots.shape[0]
         if N:
@@ -149,9 +152,12 @@ class ModelRunner:
             if self.inj is not None:
                 self.inj.index_copy_(0, slots, inj[:N])
             if self.aux is not None:
-                self.aux.index_copy_(0, slots, initial_aux(self.criterion, N, self.cfg.vocab_size, self.device))
+                self.aux.index_copy_(0, slots, initial_aux(self.rule, N, self.cfg.vocab_size, self.device))
         if chunks is not None:
             chunks.keep(state, inj)
+        if self.preloop:  # the decode items' exit-depth CDFs [N, r_max]: their depths, read once here
+            return preloop_cdf(self.model, state[:N], inj[:N] if inj is not None else None)
+        return None
 
     def _core_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int,
                    chunks: mixed.Chunks | None = None) -> torch.Tensor:
@@ -230,12 +236,14 @@ class ModelRunner:
                 self._prompt_logits.pop(s.seq_id, None)
         return self._stages[work.stage](work)
 
-    def _prelude(self, work: Work) -> None:
-        self._launch(work)
+    def _prelude(self, work: Work) -> PendingScores | None:
+        out = self._launch(work)
+        return PendingScores(out, len(work.seqs)) if self.preloop else None
 
-    def _core(self, work: Work) -> PendingScores:
-        """One loop step for every item, each at its own depth."""
-        return PendingScores(self._launch(work), len(work.seqs))
+    def _core(self, work: Work) -> PendingScores | None:
+        """One loop step for every item, each at its own depth (preloop: no scores to read)."""
+        scores = self._launch(work)
+        return None if self.preloop else PendingScores(scores, len(work.seqs))
 
     def _coda(self, work: Work) -> Emitted:
         return self._emitted(work, self._launch(work))

@@ -286,6 +286,9 @@ class Scheduler:
                     s.tracker = ExitTracker(s.policy)
                 else:
                     t.reset()
+            if scores is not None:  # preloop: each item's exit-depth CDF fixes its depth now
+                for s, cdf in zip(seqs, scores.get()):
+                    s.tracker.at_prelude(cdf)
             self.core_q += seqs
         elif work.stage is Stage.CORE:
             self._after_core(seqs, scores)
@@ -336,6 +339,11 @@ class Scheduler:
                 s.step = st = s.step + 1
                 if st >= s.tracker.stop_at:
                     exited.append(s)
+        elif scores is None:  # preloop: every depth was fixed at the prelude, nothing to read
+            for s in seqs:
+                s.step = st = s.step + 1
+                if st >= s.tracker.stop_at:
+                    exited.append(s)
         else:
             for s, x in zip(seqs, scores.get()):
                 s.step = st = s.step + 1
@@ -352,7 +360,9 @@ class Scheduler:
             self.coda_q += exited
 
     @staticmethod
-    def _score(items: list[Sequence], scores: Scores) -> None:
+    def _score(items: list[Sequence], scores: Scores | None) -> None:
+        if scores is None:
+            return
         core = Stage.CORE
         for s, x in zip(items, scores.get()):
             if s.stage is core and s.step_scored < s.step:  # still looping on the step that was scored

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_layouts import KVLayout
-from looplm.exits import OUTPUT_CRITERIA, step_scores
+from looplm.exits import OUTPUT_CRITERIA, gate_for, score_rule, step_scores
 from looplm.layers import Attend
 from looplm.model import LoopedLM
 
@@ -203,10 +203,10 @@ def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch
     if n == 0:
         return new, new.new_zeros(0), aux
     dec = batch.decode_part()
-    gate = model.gate_logits(new[:n]) if criterion in ("ouro_gate", "learned") else None
+    gate = gate_for(model, criterion, new[:n])
     logits = (model.head(model.coda(new[:n], dec.rope(model), KVAttention(layout, dec)))
               if criterion in OUTPUT_CRITERIA else None)
-    scores, aux = step_scores(criterion, state[:n], new[:n], gate, logits, aux)
+    scores, aux = step_scores(score_rule(criterion, model.cfg), state[:n], new[:n], gate, logits, aux)
     return new, scores, aux
 
 
