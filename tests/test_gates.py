@@ -187,3 +187,10 @@ def test_distill_gate_script(tmp_path):
         llm = LLM(str(tmp_path / "out"), exit_criterion=crit, exit_threshold=0.5, kv_cache_tokens=256)
         out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
         assert len(out.token_ids) == 6 and min(out.exit_depths[1:]) >= (2 if crit == "lookahead_gate" else 1)
+
+
+def test_matched_depth_interpolation():
+    from eval.gates import at_depth
+    pts = [{"mean_exit_depth": 2.0, "acc": 0.8}, {"mean_exit_depth": 3.0, "acc": 1.0}, {"mean_exit_depth": 1.5, "acc": 0.5}]
+    assert abs(at_depth(pts, 2.5) - 0.9) < 1e-12 and abs(at_depth(pts, 1.75) - 0.65) < 1e-12
+    assert at_depth(pts, 1.0) is None and at_depth(pts, 3.5) is None  # never extrapolated
