@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 TPS = "bench/output_tokens_per_s"
-LAYOUT_MARKERS = {"last_exited": "o", "shared": "s", "full_depth": "D"}
+LAYOUT_MARKERS = {"last_exited": "o", "shared": "s", "full_depth": "D", "first_then_shared": "^"}
 BREAK_TOL = 0.01  # accuracy "breaks" once it falls more than this (1 point) below full depth
 
 

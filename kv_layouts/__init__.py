@@ -1,4 +1,5 @@
-"""KV layouts for looped LMs: `last_exited` (depth-indexed, the default), `full_depth`, `shared`."""
+"""KV layouts for looped LMs: `last_exited` (depth-indexed, the default), `full_depth`, `shared`,
+and `first_then_shared[:S]` (S slots: step s -> slot min(s, S); S = 2 unless named)."""
 from __future__ import annotations
 
 import torch
@@ -6,18 +7,28 @@ import torch
 from looplm.config import LoopConfig
 from looplm.errors import ParamError
 
+from . import first_then_shared as _fts
 from .base import KVLayout
 from .depth_indexed import DepthIndexedKV, FullDepthKV
+from .first_then_shared import FirstThenSharedKV
 from .shared import SharedKV
 
+# the fixed-name layouts (train/kv_emulation.py emulates each of these); the parametric family
+# `first_then_shared[:S]` is parsed by layout_class
 LAYOUTS: dict[str, type[KVLayout]] = {"last_exited": DepthIndexedKV, "full_depth": FullDepthKV, "shared": SharedKV}
+LAYOUT_NAMES = (*LAYOUTS, f"{_fts.FAMILY}[:S]")  # every accepted name, for help texts and errors
 DEFAULT_LAYOUT = "last_exited"  # a checkpoint that names no layout is served with this one
 
 
 def layout_class(name: str) -> type[KVLayout]:
-    if name not in LAYOUTS:
-        raise ParamError("kv_layout", f"unknown kv_layout {name!r}; supported: {sorted(LAYOUTS)}")
-    return LAYOUTS[name]
+    """The class of a layout name (`first_then_shared:S`: one cached subclass per S; S is checked
+    against the model's r_max by `depth_slots(cfg)`)."""
+    if name in LAYOUTS:
+        return LAYOUTS[name]
+    cls = _fts.parse(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ParamError("kv_layout", f"unknown kv_layout {name!r}; supported: {', '.join(LAYOUT_NAMES)}")
+    return cls
 
 
 def make_layout(name: str, cfg: LoopConfig, num_rows: int, dtype: torch.dtype = torch.float32,
@@ -26,5 +37,5 @@ def make_layout(name: str, cfg: LoopConfig, num_rows: int, dtype: torch.dtype = 
     return layout_class(name)(cfg, num_rows, dtype, device)
 
 
-__all__ = ["KVLayout", "DepthIndexedKV", "FullDepthKV", "SharedKV", "LAYOUTS", "DEFAULT_LAYOUT", "layout_class",
-           "make_layout"]
+__all__ = ["KVLayout", "DepthIndexedKV", "FullDepthKV", "SharedKV", "FirstThenSharedKV", "LAYOUTS", "LAYOUT_NAMES",
+           "DEFAULT_LAYOUT", "layout_class", "make_layout"]

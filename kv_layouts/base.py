@@ -59,12 +59,23 @@ class KVLayout:
         i = layer if stage == "prelude" else self.cfg.n_prelude + layer
         return self.k_plain[i], self.v_plain[i]
 
+    @classmethod
+    def fill_slots(cls, cfg: LoopConfig, depth: int) -> int:
+        """Core depth slots that `on_exit` fills for a token exiting at `depth` (the simulator
+        prices these copies): none by default."""
+        return 0
+
+    def slot_of(self, steps: torch.Tensor) -> torch.Tensor:
+        """The 0-based depth slot that core loop `steps` (1-based) write and read: step s -> slot
+        min(s, slots) - 1 (depth-indexed: s - 1; one shared slot: 0; first_then_shared: min(s, S) - 1)."""
+        return (steps - 1).clamp(0, self.slots - 1)
+
     def index(self, stage: str, step: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Flat slot index of `rows` for a token at loop `step` (1-based; ignored outside the core).
         `step` broadcasts against `rows`."""
         if stage != "core" or self.slots == 1:
             return rows
-        return (step - 1) * (self.num_rows + 1) + rows
+        return self.slot_of(step) * (self.num_rows + 1) + rows
 
     def _core_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every depth slot of `rows` in the core storage, depth slot major."""

@@ -61,7 +61,7 @@ class Call:
     context: int  # tokens read (decode: sum of the items' contexts; prefill: prompt tokens)
     context_sq: int = 0  # prefill: sum of squared prompt lengths (causal attention)
     r_max: int = 0  # fused: loop steps
-    filled: int = 0  # coda: last_exited slots filled on exit (tokens x skipped depths)
+    filled: int = 0  # coda: depth slots filled on exit (sum of the layout's fill_slots over the tokens)
     rows_sdpa: int = 0  # decode: padded batch x bucketed longest context (the SDPA path's gather)
     rows_paged: int = 0  # decode: whole blocks of each item's context (a paged kernel)
     # mixed launches (prompt chunks riding along): their tokens, the context rows they read (once per
@@ -180,7 +180,8 @@ class RooflineCost:
             return t + self._overhead(c)
         t = self._decode(c.stage, c) + self._overhead(c)
         if c.filled and layout_class(self.kv_layout).depth_slots(cfg) > 1:
-            # last_exited: on exit, each token's exit-depth K/V is copied into its skipped slots
+            # last_exited / first_then_shared: on exit, each token's exit-depth K/V is copied into its
+            # skipped slots
             t += c.filled * B.kv_bytes_per_token(cfg, cfg.n_core, db) / self.bandwidth
         return t
 
@@ -234,6 +235,7 @@ class SimRunner:
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
         self.cost, self.depths = cost, depths
         self.block_bytes = blocks.block_size * layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
+        self.fill_slots = layout_class(kv_layout).fill_slots  # (cfg, exit depth) -> slots its on_exit copies
         self.slot_bytes = state_slot_bytes(model, criterion)
         self.pcie_bandwidth = pcie_bandwidth
         self.clock = 0.0
@@ -262,7 +264,7 @@ class SimRunner:
             lens = [len(s.prompt_ids) for s in seqs]
             c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
         else:
-            filled = sum(self.cfg.r_max - s.step for s in seqs) if work.stage is Stage.CODA else 0
+            filled = sum(self.fill_slots(self.cfg, s.step) for s in seqs) if work.stage is Stage.CODA else 0
             ctx = [s.num_tokens for s in seqs]
             bs = self.blocks.block_size
             width = min(-(-self.cfg.max_position // bs), self.blocks.num_blocks) * bs  # the runner's table width

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from kv_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_class
+from kv_layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, layout_class
 from looplm.config import CRITERIA, LoopConfig
 from looplm.errors import ParamError
 from looplm.policy import ExitPolicy
@@ -35,7 +35,9 @@ class EngineConfig:
     policy: str = _f("cdb", "cb (continuous batching, the baseline) or cdb")
     refill: bool = _f(True, "cdb: interleave stages (the paper's refill) instead of running cohorts")
     min_coda_batch: int = _f(1, "cdb refill: exits that must wait before a coda runs (the paper's K)")
-    kv_layout: str | None = _f(None, f"KV layout; default: the checkpoint's, else {DEFAULT_LAYOUT}")
+    kv_layout: str | None = _f(None, f"KV layout: {', '.join(LAYOUT_NAMES)} (S depth slots per core layer, step s "
+                                     f"in slot min(s, S); S = 2 unless given); default: the checkpoint's, else "
+                                     f"{DEFAULT_LAYOUT}")
     max_batch_size: int = _f(64, "sequences running at once (= state slots)")
     max_prefill_tokens: int = _f(2048, "token budget per launch (vLLM's max_num_batched_tokens). mixed prefill: "
                                        "prompt tokens + decode items per launch, longer prompts are chunked where "
@@ -44,11 +46,11 @@ class EngineConfig:
                                "the fused iteration); separate: whole prompts in prefill launches of their own")
     chunked_prefill: bool | None = _f(None, "mixed prefill: split prompts longer than the budget into chunks; "
                                             "default: on for the depth-indexed layouts; not exact (refused) with "
-                                            "shared, which keeps prompts whole")
+                                            "shared and first_then_shared, which keep prompts whole")
     enable_prefix_caching: bool | None = _f(None, "share the KV blocks of a prompt's leading full blocks with later "
                                                   "requests that start with the same tokens (LRU among free blocks); "
                                                   "default: on where exact (depth-indexed layouts, mixed prefill); "
-                                                  "refused with shared")
+                                                  "refused with shared and first_then_shared")
     kv_cache_tokens: int | None = _f(None, "KV pool size in tokens; default: sized from the device (see "
                                            "gpu_memory_utilization, kv_cache_memory)")
     kv_cache_bytes: int | None = _f(None, "KV pool size in bytes (instead of kv_cache_tokens)")
@@ -182,7 +184,8 @@ def check_chunking(kv_layout: str | None, chunked_prefill: bool | None, prefill:
     if chunked_prefill and kv_layout is not None and not layout_class(kv_layout).depth_slots_exact:
         raise ParamError("chunked_prefill", f"chunked_prefill=True is not exact with kv_layout={kv_layout!r}: an "
                                             "earlier chunk's positions would be read at their final depth instead "
-                                            "of the current loop step; this layout keeps prompts whole")
+                                            "of the current loop step (in the depth slot that loop steps share); "
+                                            "this layout keeps prompts whole")
     if chunked_prefill and prefill != "mixed":
         raise ParamError("chunked_prefill", "chunked_prefill needs prefill='mixed' (separate prefill runs whole "
                                             "prompts)")
@@ -191,16 +194,28 @@ def check_chunking(kv_layout: str | None, chunked_prefill: bool | None, prefill:
 def check_prefix_caching(kv_layout: str | None, enable: bool | None, prefill: str) -> None:
     if enable and kv_layout is not None and not layout_class(kv_layout).depth_slots_exact:
         raise ParamError("enable_prefix_caching", f"enable_prefix_caching=True is not exact with kv_layout="
-                                                  f"{kv_layout!r}: its cached blocks hold only each position's final "
-                                                  "loop step, while a fresh prefill of the suffix reads the prefix at "
-                                                  "the current step")
+                                                  f"{kv_layout!r}: in the depth slot that loop steps share, its cached "
+                                                  "blocks hold each position's final loop step, while a fresh prefill "
+                                                  "of the suffix reads the prefix there at the current step")
     if enable and prefill != "mixed":
         raise ParamError("enable_prefix_caching", "enable_prefix_caching needs prefill='mixed' (the separate prefill "
                                                   "stage runs whole prompts from position 0)")
 
 
-_CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "kv_layout": tuple(LAYOUTS), "exit_criterion": CRITERIA}
+def _kv_layout_arg(name: str) -> str:
+    """argparse type of --kv-layout: a name layout_class accepts (first_then_shared:S has no fixed
+    list of choices)."""
+    try:
+        layout_class(name)
+    except ParamError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+_CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "exit_criterion": CRITERIA}
 _TYPES = {"str": str, "int": int, "float": float}
+_FIELD_TYPES = {"kv_layout": _kv_layout_arg}  # validating types in place of choices
+_METAVARS = {"kv_layout": "{" + ",".join(n.replace("[:S]", ",first_then_shared:S") for n in LAYOUT_NAMES) + "}"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("trace",)) -> None:
@@ -215,7 +230,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("t
         if kind == "bool":
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"] + shown)
         else:
-            g.add_argument(flag, type=_TYPES[kind], default=None, choices=_CHOICES.get(f.name),
+            g.add_argument(flag, type=_FIELD_TYPES.get(f.name, _TYPES[kind]), default=None,
+                           choices=_CHOICES.get(f.name), metavar=_METAVARS.get(f.name),
                            help=f.metadata["help"] + shown)
 
 

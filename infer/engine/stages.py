@@ -137,7 +137,7 @@ class KVAttention:
             if b.paged is not None:
                 core = stage == "core" and lay.slots > 1
                 n_slots = lay.slots if core else 1
-                depth = steps - 1 if core else torch.zeros_like(steps)
+                depth = lay.slot_of(steps) if core else torch.zeros_like(steps)
                 key = (n_slots, self.step)  # one mask per stage and depth (fused: per loop step)
                 if key not in self._masks:
                     self._masks[key] = paged_mask(b.paged, b.positions, depth, n_slots, kc.shape[0] // n_slots)
