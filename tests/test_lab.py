@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from train.tasks.hops import generate, make_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,3 +117,23 @@ def test_lengths_trace_is_the_heldout_split_and_benches():
     assert rows == tuple((len(encode(r["prompt"])), len(encode(r["answer"])) + 1) for r in generate(HELDOUT_SEED, 400))
     reqs = make_requests(str(path), 8, max_model_len=128, vocab_size=73, tokenizer=load_tokenizer(CKPT))
     assert len(reqs) == 8 and all(3 <= t < 73 for r in reqs for t in r.prompt_ids)
+
+
+def test_rows_file_round_trips_and_is_what_the_engine_prefills(tmp_path):
+    """`python -m train.lab rows` (shared_kv.py --rows): one record per row, its prompt the ids the
+    engine prefills (the checkpoint's tokenizer, no BOS), then the answer's ids and EOS; written and
+    read back unchanged, with the generator's seed in the file."""
+    from looplm.io import load_tokenizer
+    from train.lab import record_rows
+    from train.shared_kv import Rows
+    out = tmp_path / "rows.npz"
+    cmd = [sys.executable, "-m", "train.lab", "rows", "--seed", "11", "--n", "24", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    rows, want, recs = Rows.load(out), record_rows(generate(11, 24)), generate(11, 24)
+    assert rows.meta["seed"] == 11 and rows.meta["n"] == 24 and len(rows) == 24
+    assert (rows.ids == want.ids).all() and (rows.offsets == want.offsets).all() and (rows.prompt_len == want.prompt_len).all()
+    tok = load_tokenizer(CKPT)
+    for i, r in enumerate(recs):
+        row, pl = rows.row(i).tolist(), int(rows.prompt_len[i])
+        assert row[:pl] == tok.encode(r["prompt"]) and row[pl:] == tok.encode(r["answer"]) + [tok.eos_token_id]
+        assert tok.decode(row[pl:-1]) == r["answer"]

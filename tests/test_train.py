@@ -245,3 +245,114 @@ def test_shared_kv_loss_mask_counts_only_masked_targets(tmp_path):
     assert not torch.allclose(loss(last, None)["lm"], loss(last2, None)["lm"])
     assert torch.allclose(loss(b, torch.ones_like(bm))["lm"], loss(b, None)["lm"])
     assert torch.isfinite(base["lm"]) and base["lm"] != loss(b, None)["lm"]
+
+
+# ------------------------------------------------------------------------------------ rows (--rows)
+def _rows(prompt_len, completion_lens, seed=0):
+    from train.shared_kv import Rows
+    g = torch.Generator().manual_seed(seed)
+    return Rows.from_lists([(torch.randint(3, 256, (prompt_len,), generator=g).tolist(),
+                             torch.randint(3, 256, (n,), generator=g).tolist()) for n in completion_lens])
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("layout", ["shared", "last_exited"])
+def test_rows_bucket_with_end_padding_equals_each_row_alone(name, layout):
+    """A bucket of rows (one prompt length, completions of 2 / 6 / 11 tokens, padded at the end) gives
+    every row the exit depths and logits it has alone, at the fixed point and in a training sweep
+    (pass 1 + pass 2), and alone it is the engine's semantics: the reference decoder with the prompt
+    prefilled at full depth and the completion forced (float64)."""
+    m = tiny_model(name, dtype=torch.float64, std=0.15, seed=3)
+    pol = ExitPolicy.from_config(m.cfg, threshold=0.55)
+    rows = _rows(5, [2, 6, 11])
+    tok, mask, pl = rows.pack([0, 1, 2])
+    assert pl == 5 and tok.shape == (3, 16) and mask.sum(1).tolist() == [2, 6, 11] and not mask[:, :5].any()
+    assert (tok[0, 7:] == rows.pad_id).all() and (tok[2] == torch.from_numpy(rows.row(2).astype(np.int64))).all()
+    ids = tok[:, :-1]
+    big, _, _ = converge(m, ids, pol, layout, prompt_len=pl, max_sweeps=40, tol=0.0)
+    with torch.no_grad():
+        p1 = sweep(m, ids, pol, layout, sweep(m, ids, pol, layout, None, pl), pl)
+        p2 = sweep(m, ids, pol, layout, p1, pl)
+    spread = set()
+    for b in range(3):
+        r = torch.from_numpy(rows.row(b).astype(np.int64))[None]
+        T = r.shape[1] - 1  # the row's own positions; the rest of the batch row is padding
+        alone, _, _ = converge(m, r[:, :-1], pol, layout, prompt_len=pl, max_sweeps=40, tol=0.0)
+        assert torch.equal(big.depths[b, :T], alone.depths[0])
+        assert (big.exit_logits[b, :T] - alone.exit_logits[0]).abs().max() < 1e-10
+        with torch.no_grad():
+            a1 = sweep(m, r[:, :-1], pol, layout, sweep(m, r[:, :-1], pol, layout, None, pl), pl)
+            a2 = sweep(m, r[:, :-1], pol, layout, a1, pl)
+        assert torch.equal(p2.depths[b, :T], a2.depths[0])
+        assert (p2.exit_logits[b, :T] - a2.exit_logits[0]).abs().max() < 1e-10
+        prompt, forced = r[0, :pl].tolist(), r[0, pl:].tolist()
+        g = reference_generate(m, prompt, len(forced), pol, kv_layout=layout, forced_tokens=forced)
+        lp = torch.log_softmax(alone.exit_logits[0, pl - 1:], -1).gather(-1, torch.tensor(forced)[:, None])[:, 0]
+        assert (lp - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max() < 1e-10
+        assert alone.depths[0, pl - 1:].tolist() == g.exit_depths
+        spread |= set(g.exit_depths[1:])
+    assert len(spread) >= 2, "the case needs a spread of exit depths"
+
+
+def test_rows_objective_ignores_padding_and_prompt_targets():
+    """SharedKVObjective on a padded bucket: the loss counts completion targets only (changing a
+    prompt token's target role or the padding changes nothing but through the inputs), and a bucket
+    of one row has that row's loss."""
+    from train import shared_kv
+    a = shared_kv.parse(["--model", "x", "--output", "o", "--layout", "shared"])
+    m = tiny_model("ouro-tiny", std=0.05, exit_criterion="learned", exit_threshold=0.6, dtype=torch.float64)
+    obj = shared_kv.SharedKVObjective(m, a, shared_kv.policy_for(m.cfg, a))
+    rows = _rows(4, [3, 3, 9], seed=1)
+    run = lambda tok, mk, pl: obj(tok, obj(tok, mode="pass1", prompt_len=pl), mode="pass2", mask=mk, prompt_len=pl)  # noqa: E731
+    tok, mk, pl = rows.pack([0, 1, 2])
+    base = run(tok, mk, pl)
+    other = tok.clone()
+    other[0, 7:] = (other[0, 7:] + 11) % 256  # row 0's padding
+    assert torch.allclose(run(other, mk, pl)["loss"], base["loss"])
+    t1, m1, _ = rows.pack([2])
+    t2, m2, _ = rows.pack([2, 2])
+    assert torch.allclose(run(t1, m1, pl)["lm"], run(t2, m2, pl)["lm"])
+    assert torch.isfinite(base["gate"]) and base["gate"] > 0
+
+
+def test_rows_batches_are_one_bucket_and_deterministic(tmp_path):
+    from train.shared_kv import Rows
+    rows = Rows.from_lists([([1] * (3 + i % 4), [2] * (1 + i % 3)) for i in range(40)], meta={"seed": 1})
+    rows.save(tmp_path / "r.npz")
+    back = Rows.load(tmp_path / "r.npz")
+    assert back.meta == {"seed": 1} and all(np.array_equal(back.row(i), rows.row(i)) for i in range(40))
+    assert np.array_equal(back.prompt_len, rows.prompt_len)
+    for s in range(20):
+        tok, mask, pl = back.batch(8, [0, s, 0])
+        assert tok.shape[0] == 8 and mask[:, :pl].sum() == 0 and (mask.sum(1) >= 1).all()
+        t2, m2, p2 = back.batch(8, [0, s, 0])
+        assert p2 == pl and torch.equal(t2, tok) and torch.equal(m2, mask)
+    assert {pl for _, _, pl in back.buckets(8)} == {3, 4, 5, 6}
+    assert sum(len(t) for t, _, _ in back.buckets(8)) == 40 and sum(len(t) for t, _, _ in back.buckets(8, 10)) == 10
+    with pytest.raises(ValueError):
+        back.pack([0, 1])  # two prompt lengths
+    from looplm.cli import UserError
+    with pytest.raises(UserError):
+        Rows(np.zeros(4, np.int32), np.array([0, 4]), np.array([4], np.int32))  # no completion token
+
+
+@pytest.mark.slow
+def test_shared_kv_rows_run(tiny_folder, tmp_path):
+    """--rows / --heldout-rows: a 2-step run on rows of mixed prompt lengths writes a loadable folder,
+    logs the rows' held-out exact match, and records the rows source."""
+    from train.shared_kv import Rows
+    g = torch.Generator().manual_seed(0)
+    make = lambda n: Rows.from_lists([(torch.randint(3, 256, (4 + i % 3,), generator=g).tolist(),  # noqa: E731
+                                       torch.randint(3, 256, (3 + i % 2,), generator=g).tolist()) for i in range(n)])
+    make(40).save(tmp_path / "rows.npz")
+    make(8).save(tmp_path / "held.npz")
+    args = [a for a in _skv_args(tiny_folder, tmp_path / "out", 2) if a not in ("--tokens", str(tiny_folder / "tok.npy"))]
+    r = subprocess.run([sys.executable, *args, "--rows", str(tmp_path / "rows.npz"), "--heldout-rows",
+                        str(tmp_path / "held.npz"), "--no-wandb"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["data"]["source"] == "rows" and summary["data"]["n_rows"] == 40
+    hist = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert "shared_em" in hist[0] and "last_exited_em" in hist[0]
+    load_pretrained(tmp_path / "out")

@@ -3,7 +3,9 @@
 
     python -m train.lab --run-dir .cache/runs/lab-hops --save-to checkpoints/lab-hops --threads 1
     python -m train.lab tokens --seed 11 --n 4000 --out .cache/lab/train.npy --mask-out .cache/lab/train_mask.npy
-        (token windows and the answer-only loss mask for shared_kv.py)
+        (token windows and the answer-only loss mask for shared_kv.py; records cut at window edges)
+    python -m train.lab rows --seed 11 --n 4000 --out .cache/lab/rows.npz
+        (one record per row, prompt + answer + EOS, for shared_kv.py --rows: the engine's view)
     python -m train.lab lengths --seed 7 --n 400 --out eval/tasks/data/lab_hops_lengths.csv   (a bench trace)
 
 Tokenizer: ids 0-2 the project's special tokens, then `a=`..`z=` (a name being defined, or
@@ -295,6 +297,32 @@ def write_tokens(argv: list[str]) -> None:
     print(f"wrote {a.out}: {len(ids)} tokens of {a.n} records (seed {a.seed})" + (f", mask {a.mask_out}" if a.mask_out else ""))
 
 
+def record_rows(records: list[dict]):
+    """train.shared_kv.Rows of records: each row the prompt's ids (what the engine prefills: the
+    checkpoint's tokenizer gives the same ids, no BOS) then the answer's ids and EOS (the completion)."""
+    from train.shared_kv import Rows
+    return Rows.from_lists([(encode(r["prompt"]), encode(r["answer"]) + [0]) for r in records])
+
+
+def write_rows(argv: list[str]) -> None:
+    """`python -m train.lab rows --seed S --n N --out FILE.npz`: one record per row (prompt, answer,
+    EOS; the prompt's length per row) for train/shared_kv.py --rows / --heldout-rows."""
+    p = argparse.ArgumentParser(prog="python -m train.lab rows", description=write_rows.__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--min-hops", type=int, default=1)
+    p.add_argument("--max-hops", type=int, default=4)
+    p.add_argument("--chains", type=int, default=3)
+    a = p.parse_args(argv)
+    rows = record_rows(generate(a.seed, a.n, a.min_hops, a.max_hops, a.chains))
+    rows.meta = {"generator": "train.tasks.hops", "seed": a.seed, "n": a.n, "min_hops": a.min_hops,
+                 "max_hops": a.max_hops, "chains": a.chains}
+    rows.save(a.out)
+    print(f"wrote {a.out}: {len(rows)} rows, {len(rows.ids)} tokens, {len(set(rows.prompt_len.tolist()))} prompt "
+          f"lengths (seed {a.seed})")
+
+
 def write_lengths(argv: list[str]) -> None:
     """`python -m train.lab lengths --seed S --n N --out FILE.csv`: each record's prompt and answer
     (+ EOS) token counts, a length trace for the benchmarks (`--workloads FILE.csv`, a sweep's
@@ -317,6 +345,8 @@ def main(argv=None) -> None:
         return write_tokens(argv[1:])
     if argv[:1] == ["lengths"]:
         return write_lengths(argv[1:])
+    if argv[:1] == ["rows"]:
+        return write_rows(argv[1:])
     a = parse(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

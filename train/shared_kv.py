@@ -16,6 +16,18 @@ Loss: CE of the logits at each position's exit depth + `--step-loss` x mean CE o
 exit depth of the signal after step s is s (standard) or s+1 (`--lookahead`); steps whose depth is
 below `--r-min` are masked. With `--target-mean-depth` the threshold is chosen at the end.
 
+(c) Rows (`--rows FILE.npz --heldout-rows FILE.npz`, e.g. `python -m train.lab rows`): each
+training row is ONE prompt + completion, as the engine serves it: the prompt runs at full depth,
+depth-major (its positions attend to each other's step-s K/V, the engine's prefill), and every
+completion token is an adaptive decode token. A batch takes rows of one prompt length (a bucket),
+so the emulation's scalar prompt_len is exact for every row; rows shorter than the batch's longest
+are padded at the END with a zero loss mask (causal attention, per-position exit depths: padding
+never reaches an earlier position; tests/test_train.py). The LM loss and gate labels count the
+completion tokens only (the first one comes from the prompt's last position, at full depth, as the
+engine's prefill gives it). Token windows (`--tokens`, the corpus) instead run every position
+after `--prompt-len` as a decode token and cut records at window edges: right for text, wrong for
+prompt/answer tasks, whose prompts the engine prefills.
+
 Checkpoints (accelerate `save_state`) go to OUTPUT/checkpoints every `--save-every` steps; a
 re-launch resumes from the latest. The final model is an HF folder in OUTPUT.
 """
@@ -29,6 +41,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +56,7 @@ from train import cli
 from looplm.cli import UserError
 from train.common import TOKENIZER, History, init_wandb, token_ce
 from train.datasource import Tokens, from_corpus, from_dataset, from_npy
-from train.kv_emulation import LAYOUTS, Sweep, sweep
+from train.kv_emulation import LAYOUTS, Sweep, converge, sweep
 
 
 def gate_logits_detached(model, state: torch.Tensor) -> torch.Tensor:
@@ -53,6 +66,87 @@ def gate_logits_detached(model, state: torch.Tensor) -> torch.Tensor:
             x = model.transformer.ln_f(state)
         return model.exit_gate(x).squeeze(-1)
     return model.gate_logits(state.detach())
+
+
+@dataclass
+class Rows:
+    """Prompt + completion rows, one record each (`python -m train.lab rows` writes them): row i is
+    ids[offsets[i]:offsets[i + 1]], its first prompt_len[i] tokens the prompt, the rest (>= 1 token,
+    e.g. the answer and EOS) the completion, the only targets that count."""
+    ids: np.ndarray  # int32, all rows back to back
+    offsets: np.ndarray  # int64 [n + 1]
+    prompt_len: np.ndarray  # int32 [n]
+    meta: dict = field(default_factory=dict)
+    pad_id: int = 0
+
+    def __post_init__(self):
+        n = len(self.prompt_len)
+        lens = np.diff(self.offsets)
+        if (len(self.offsets) != n + 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.ids)
+                or (lens < 2).any() or (self.prompt_len < 1).any() or (self.prompt_len >= lens).any()):
+            raise UserError("rows: malformed file (need offsets [n+1] from 0 to len(ids), every row a prompt of "
+                            ">= 1 token and a completion of >= 1 token)")
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    def row(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i]:self.offsets[i + 1]]
+
+    @classmethod
+    def from_lists(cls, rows: list[tuple[list[int], list[int]]], meta: dict | None = None) -> "Rows":
+        """rows: (prompt ids, completion ids) per row."""
+        ids = np.asarray([t for p, c in rows for t in p + c], dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum([len(p) + len(c) for p, c in rows])]).astype(np.int64)
+        return cls(ids, offsets, np.asarray([len(p) for p, _ in rows], dtype=np.int32), meta or {})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:  # a file handle: np.savez would append .npz to a path
+            np.savez(f, ids=self.ids, offsets=self.offsets, prompt_len=self.prompt_len,
+                     meta=np.asarray(json.dumps(self.meta)))
+
+    @classmethod
+    def load(cls, path: Path) -> "Rows":
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return cls(z["ids"].astype(np.int32), z["offsets"].astype(np.int64), z["prompt_len"].astype(np.int32),
+                           json.loads(str(z["meta"])) if "meta" in z else {})
+        except (OSError, KeyError, ValueError) as e:
+            raise UserError(f"--rows {path}: not a rows file ({e}); write one with `python -m train.lab rows`")
+
+    def pack(self, idx) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Rows idx (one prompt length) as (tokens [B, T+1], target mask [B, T+1], prompt_len): padded
+        at the end with pad_id, mask set on each row's completion tokens."""
+        pls = {int(self.prompt_len[i]) for i in idx}
+        if len(pls) != 1:
+            raise ValueError(f"a batch of rows needs one prompt length, got {sorted(pls)}")
+        seqs = [self.row(i) for i in idx]
+        T1 = max(len(r) for r in seqs)
+        tok = torch.full((len(seqs), T1), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T1, dtype=torch.bool)
+        pl = pls.pop()
+        for b, r in enumerate(seqs):
+            tok[b, :len(r)] = torch.from_numpy(r.astype(np.int64))
+            mask[b, pl:len(r)] = True
+        return tok, mask, pl
+
+    def batch(self, batch: int, seed: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A random bucket (a row drawn uniformly, so buckets come as often as their rows), then
+        `batch` rows of it (with replacement only when the bucket is smaller)."""
+        rng = np.random.default_rng(seed)
+        pl = self.prompt_len[rng.integers(len(self))]
+        bucket = np.flatnonzero(self.prompt_len == pl)
+        return self.pack(rng.choice(bucket, size=batch, replace=len(bucket) < batch))
+
+    def buckets(self, batch: int, max_rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """The first max_rows rows (all: None), grouped by prompt length, in chunks of `batch`."""
+        n = len(self) if max_rows is None else min(len(self), max_rows)
+        out = []
+        for pl in sorted(set(self.prompt_len[:n].tolist())):
+            idx = np.flatnonzero(self.prompt_len[:n] == pl)
+            out += [self.pack(idx[i:i + batch]) for i in range(0, len(idx), batch)]
+        return out
 
 
 class SharedKVObjective(nn.Module):
@@ -65,9 +159,11 @@ class SharedKVObjective(nn.Module):
         self.autocast: str | None = None  # the autocast dtype seen in the first forward (mixed precision)
 
     def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "pass2",
-                mask: torch.Tensor | None = None):
-        """`mask` [B, T+1] (--loss-mask): the windows' tokens that count as targets (None: all)."""
+                mask: torch.Tensor | None = None, prompt_len: int | None = None):
+        """`mask` [B, T+1] (--loss-mask, rows): the windows' tokens that count as targets (None: all);
+        `prompt_len`: the batch's full-depth prompt positions (default --prompt-len; rows: the bucket's)."""
         a, m, pol = self.a, self.model, self.policy
+        pl = a.prompt_len if prompt_len is None else prompt_len
         ids, tgt = batch[:, :-1], batch[:, 1:]
         tm = None if mask is None else mask[:, 1:]
         if self.autocast is None:
@@ -77,14 +173,14 @@ class SharedKVObjective(nn.Module):
             with torch.no_grad():
                 cur = None
                 for _ in range(a.pass1_sweeps):
-                    cur = sweep(m, ids, pol, a.layout, cur, a.prompt_len)
+                    cur = sweep(m, ids, pol, a.layout, cur, pl)
             return cur
-        sw = sweep(m, ids, pol, a.layout, prev, a.prompt_len, step_logits=True, checkpoint=a.gradient_checkpointing)
+        sw = sweep(m, ids, pol, a.layout, prev, pl, step_logits=True, checkpoint=a.gradient_checkpointing)
         ce_exit = token_ce(sw.exit_logits, tgt)
         ce_steps = torch.stack([token_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
         lm = masked_mean(ce_exit, tm) + a.step_loss * masked_mean(ce_steps, tm)
         out = {"lm": lm, "ce_exit": masked_mean(ce_exit, tm).detach(), "ce_full": masked_mean(ce_steps[-1], tm).detach(),
-               "mean_depth": sw.depths[:, a.prompt_len:].double().mean()}
+               "mean_depth": decode_mean(sw.depths.double(), tm, pl)}
         if a.train in ("all", "gate") and m.gate_logits(sw.states[0][:1, :1]) is not None:
             S = len(sw.states)
             g = torch.stack([gate_logits_detached(m, s) for s in sw.states[:-1]])  # [S-1, B, T]
@@ -94,7 +190,7 @@ class SharedKVObjective(nn.Module):
             labels = (depth_ce - c[-1:] < a.gate_margin).double()
             depth = torch.arange(1, S, device=g.device)[:, None, None] + shift
             mask = ((depth >= a.r_min) & (depth < S)).expand_as(g).clone()
-            mask[:, :, : a.prompt_len] = False
+            mask[:, :, :pl] = False
             if tm is not None:
                 mask &= tm[None]
             bce = F.binary_cross_entropy_with_logits(g.double(), labels, reduction="none")
@@ -112,6 +208,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return x.mean()
     m = mask.expand_as(x)
     return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def decode_mean(x: torch.Tensor, mask: torch.Tensor | None, prompt_len: int) -> torch.Tensor:
+    """Mean of x [B, T] over the decode positions (>= prompt_len) that are targets (mask [B, T]; None: all)."""
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.clone()
+    keep[:, :prompt_len] = False
+    return x[keep].mean() if keep.any() else x.new_zeros(())
 
 
 def policy_for(cfg, a: argparse.Namespace, threshold: float | None = None) -> ExitPolicy:
@@ -137,10 +240,34 @@ def quick_eval(model, windows: torch.Tensor, a, policy: ExitPolicy, layout: str,
     return {"ppl": float(torch.cat(ce).mean().exp()), "mean_depth": float(torch.cat(depth).mean())}
 
 
+@torch.no_grad()
+def rows_eval(model, held: Rows, a, policy: ExitPolicy, layout: str) -> dict:
+    """Held-out rows under `layout`, exact (sweeps to the fixed point, as serving decodes): CE and
+    mean exit depth over the completion targets, and teacher-forced exact match (every target the
+    argmax at its exit depth; equal to greedy decoding's exact match at that fixed point)."""
+    ce, depth, em = [], [], []
+    for tok, mask, pl in held.buckets(a.batch, a.eval_windows):
+        tok, mask = tok.to(model.device), mask.to(model.device)
+        ids, tgt, tm = tok[:, :-1], tok[:, 1:], mask[:, 1:]
+        cur, _, _ = converge(model, ids, policy, layout, prompt_len=pl, max_sweeps=ids.shape[1] - pl + 2)
+        ce.append(token_ce(cur.exit_logits, tgt)[tm])
+        dec = tm.clone()
+        dec[:, :pl] = False
+        depth.append(cur.depths[dec].double())
+        em.append(((cur.exit_logits.argmax(-1) == tgt) | ~tm).all(-1).double())
+    return {"ppl": float(torch.cat(ce).mean().exp()), "mean_depth": float(torch.cat(depth).mean()),
+            "em": float(torch.cat(em).mean())}
+
+
+def held_eval(model, val, a, policy: ExitPolicy, layout: str, masks=None) -> dict:
+    return rows_eval(model, val, a, policy, layout) if isinstance(val, Rows) else \
+        quick_eval(model, val, a, policy, layout, masks)
+
+
 def choose_threshold(model, windows, a) -> tuple[float, list[dict]]:
     grid = []
     for q in [round(x, 2) for x in np.arange(0.05, 0.99, 0.05)]:
-        r = quick_eval(model, windows, a, policy_for(model.cfg, a, q), a.layout)
+        r = held_eval(model, windows, a, policy_for(model.cfg, a, q), a.layout)
         grid.append({"threshold": q, **r})
     best = min(grid, key=lambda r: abs(r["mean_depth"] - a.target_mean_depth))
     return best["threshold"], grid
@@ -193,6 +320,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-mask", type=Path, help=".npy aligned with --tokens: nonzero where a token counts as a "
                    "target (LM loss, gate labels), e.g. a task's answers only (python -m train.lab tokens --mask-out)")
     p.add_argument("--heldout-loss-mask", type=Path, help="the same for --heldout-tokens (the held-out ppl)")
+    p.add_argument("--rows", type=Path, help=".npz of prompt + completion rows (python -m train.lab rows): one record "
+                   "per row, the prompt at full depth as the engine prefills it, loss on the completion; batches of "
+                   "one prompt length (see the module docstring); instead of --tokens / --dataset")
+    p.add_argument("--heldout-rows", type=Path, help="held-out rows for --rows (held-out ppl, depth, exact match; "
+                   "--eval-windows of them)")
     p.add_argument("--tokenizer", type=Path, default=None, help="default: the model folder's, else .cache/tokenizer")
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=100)
@@ -225,7 +357,11 @@ def check_model_arg(model: Path) -> None:
         raise UserError(f"--model {model}: no such folder" + (" (hub ids need HF_HUB_OFFLINE unset)" if offline else ""))
 
 
-def load_data(a, tokenizer_dir: Path, acc) -> Tokens:
+def load_data(a, tokenizer_dir: Path, acc) -> Tokens | tuple[Rows, Rows]:
+    if a.rows is not None:
+        if a.heldout_rows is None or a.dataset is not None or a.tokens is not None:
+            raise UserError("--rows needs --heldout-rows and no --dataset / --tokens")
+        return Rows.load(a.rows), Rows.load(a.heldout_rows)
     if a.dataset is not None:
         return from_dataset(a.dataset, a.text_column, tokenizer_dir, a.ctx, a.heldout_frac,
                             is_main=acc.is_main_process, wait=acc.wait_for_everyone)
@@ -238,7 +374,8 @@ def load_data(a, tokenizer_dir: Path, acc) -> Tokens:
 def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
     """What makes two launches the same run (a resume must match; --steps may grow)."""
     cfg = Path(a.model) / "config.json"
-    data = ({"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
+    data = ({"rows": str(a.rows), "heldout_rows": str(a.heldout_rows)} if a.rows else
+            {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
             "prompt_len", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
@@ -309,10 +446,18 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         raise UserError(f"criterion {policy.criterion!r} with threshold {policy.threshold} never exits; "
                         "pass --criterion/--threshold")
     data = load_data(a, tok_dir, acc)
-    if int(data.train.max()) >= model.cfg.vocab_size:
-        raise UserError(f"the training tokens reach id {int(data.train.max())} but the model's vocabulary has "
+    rows = isinstance(data, tuple)
+    if rows:
+        data, val = data
+        val_mask, top = None, int(max(data.ids.max(), val.ids.max()))
+        meta = {"source": "rows", "rows": str(a.rows), "n_rows": len(data), "heldout_rows": str(a.heldout_rows),
+                "n_heldout": len(val), "rows_meta": data.meta, "heldout_meta": val.meta}
+    else:
+        val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
+        top, meta = int(data.train.max()), data.meta
+    if top >= model.cfg.vocab_size:
+        raise UserError(f"the training tokens reach id {top} but the model's vocabulary has "
                         f"{model.cfg.vocab_size} (another tokenizer? pass --tokenizer)")
-    val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
     gate_names = {n for n, _ in model.named_parameters() if "exit_gate" in n}
     for n, p in model.named_parameters():
         p.requires_grad_(a.train == "all" or (a.train == "gate") == (n in gate_names))
@@ -321,7 +466,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     if ck is None and acc.is_main_process and a.eval_windows:
         model.eval()
         rec = {"step": 0, **{f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                             for k, v in quick_eval(model, val, a, policy, lay, val_mask).items()}}
+                             for k, v in held_eval(model, val, a, policy, lay, val_mask).items()}}
         hist.records = []
         hist.log(rec)
         acc.print(json.dumps(rec))
@@ -361,14 +506,16 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     t0, ran, logs, first_batch = time.time(), 0, [], None
     while step < a.steps and (a.max_steps_this_run is None or ran < a.max_steps_this_run):
         seed = [a.seed, step, acc.process_index]
-        batch = data.batch(a.batch, a.ctx, seed).to(acc.device)
-        bmask = data.batch_mask(a.batch, a.ctx, seed)
-        bmask = None if bmask is None else bmask.to(acc.device)
+        if rows:
+            batch, bmask, pl = data.batch(a.batch, seed)
+        else:
+            batch, bmask, pl = data.batch(a.batch, a.ctx, seed), data.batch_mask(a.batch, a.ctx, seed), a.prompt_len
+        batch, bmask = batch.to(acc.device), None if bmask is None else bmask.to(acc.device)
         if first_batch is None:
             first_batch = batch.tolist()
         obj.train()
-        prev = obj(batch, mode="pass1")
-        out = obj(batch, prev, mode="pass2", mask=bmask)
+        prev = obj(batch, mode="pass1", prompt_len=pl)
+        out = obj(batch, prev, mode="pass2", mask=bmask, prompt_len=pl)
         opt.zero_grad(set_to_none=True)
         acc.backward(out["loss"])
         acc.clip_grad_norm_(obj.parameters(), a.clip)
@@ -385,7 +532,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
                 if acc.is_main_process:
                     m.eval()
                     rec.update({f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                                for k, v in quick_eval(m, val, a, policy, lay, val_mask).items()})
+                                for k, v in held_eval(m, val, a, policy, lay, val_mask).items()})
             if acc.is_main_process:
                 hist.log(rec)
                 if wb is not None:
@@ -420,7 +567,13 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
                "rank_param_bytes": bytes_per_rank, "model_param_bytes": sum(p.numel() * p.element_size()
                                                                              for p in {id(p): p for p in model.parameters()}.values()),
                "layout": a.layout, "lookahead": a.lookahead,
-               "data": {k: v for k, v in data.meta.items() if k != "key"}, "first_batch_rank0": first_batch}
+               "data": {k: v for k, v in meta.items() if k != "key"}, "first_batch_rank0": first_batch}
+    stale = [k for k in ("lookahead_gate", "preloop_gate") if getattr(model.cfg, k, False)]
+    if stale:  # heads distilled (train/distill_gate.py) from the model before this fine-tuning
+        cfg_kw.update({k: False for k in stale})
+        summary["dropped_distilled_gates"] = stale
+        print(f"note: the distilled heads {stale} were distilled from the model before this run; not saved "
+              "(re-run train/distill_gate.py on the output)")
     if a.target_mean_depth is not None:
         q, grid = choose_threshold(model, val, a)
         cfg_kw["exit_threshold"] = q
