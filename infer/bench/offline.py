@@ -413,7 +413,10 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
             "engine_config": raw["engine_config"]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, emulate=None) -> None:
+    """`emulate(a, workloads, modes, base, replay) -> (blocks, meta)` runs the bench on an emulated
+    device (`--device emulated:h100`; infer/bench/emulated.py, which imports this module, so
+    `python -m infer.bench` passes it in)."""
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ouro-tiny", help="checkpoint folder or preset name (ouro-tiny, huginn-tiny)")
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
@@ -428,7 +431,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="which repeat represents a mode (min: robust to other load on a shared CPU)")
     p.add_argument("--seed", type=int, default=0, help="workload sampling seed")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="a torch device, or emulated:h100 (also h200, a100): no weights, "
+                   "every launch waits for the simulator's predicted stage time (infer/bench/emulated.py)")
+    p.add_argument("--mean-depth", type=float, default=None, help="emulated device: mean exit depth (binomial "
+                   "spread; default: infer.sim's assumption); --replay-exits instead replays a file's depths")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights (real shapes, no "
                         "weights file)")
@@ -458,6 +464,20 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--record-exits and --replay-exits: record first, then replay in another run")
     replay = RP.load(a.replay_exits) if a.replay_exits else None
     workloads = a.workloads or (list(replay["workloads"]) if replay else list(WORKLOADS))
+    if a.device.startswith("emulated:"):
+        if emulate is None or a.record_exits:
+            p.error(f"--device {a.device} runs through python -m infer.bench, without --record-exits (an emulated "
+                    "device has no exit scores to record)")
+        blocks, meta = emulate(a, workloads, modes_for(a.ks, not a.no_norefill, not a.no_full_depth),
+                               engine_kwargs_from_args(a), replay)
+        meta["command"] = "python -m infer.bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+        for b in blocks:
+            print(format_table(b))
+        paths = write_outputs(blocks, meta, a.out, meta["name"], a.save_trace)
+        print(f"json: {paths['json']}\nplot: {paths['png']}")
+        return
+    if a.mean_depth is not None:
+        p.error("--mean-depth is for an emulated device (--device emulated:h100)")
     model, tok = load_model(a.model, a.dtype, a.device, load_format=a.load_format, layer_split=a.layer_split)
     base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)

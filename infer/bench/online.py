@@ -5,6 +5,8 @@ with vLLM `bench serve` metric definitions; a JSON per (policy, rate) and the pa
     # start / stop one server per policy (loopback only) and sweep the rates
     python -m infer.bench_online --model checkpoints/ouro-demo --policies cb,cdb-norefill,cdb-refill \
         --rates 2,4,8,16 --num-prompts 64 --out .cache/bench_online
+    # an emulated H100 (no weights: each launch waits for the simulator's predicted stage time)
+    python -m infer.bench_online --model ouro-1.4b --device emulated:h100 --length-scale 1 --rates 2,4,8
     # against a server you started
     python -m infer.bench_online --base-url http://127.0.0.1:8000 --label mine --rates 4,8
 
@@ -231,6 +233,13 @@ def server_info(url: str, api_key: str | None) -> tuple[str, int, int]:
     return m["id"], int(m["max_model_len"]), vocab
 
 
+def server_device(url: str, api_key: str | None) -> dict:
+    """What the server runs on (/v1/models `device`; {"emulated": True, ...} for an emulated one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    m = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]
+    return m.get("device") or {"device": "unknown", "emulated": False}
+
+
 def wait_idle(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -311,6 +320,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="server", help="name of the --base-url run in the outputs")
     p.add_argument("--policies", default="cb,cdb-norefill,cdb-refill", help=f"from {sorted(POLICY_ARGS)}")
     p.add_argument("--server-args", default="--threads 1", help="extra arguments for infer.serve (one string)")
+    p.add_argument("--device", default=None, help="the servers' --device, e.g. emulated:h100 (a paper model or "
+                   "config on an emulated GPU: no weights, real-time waits for the predicted stage times)")
     p.add_argument("--rates", default="1,2,4,8", help="requests/s, comma-separated ('inf': all at once)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
     p.add_argument("--repeats", type=int, default=1, help="rounds per rate (median reported; spread plotted)")
@@ -343,11 +354,16 @@ def main(argv: list[str] | None = None) -> dict:
                "length_scale": a.length_scale, "burstiness": a.burstiness, "server_args": a.server_args,
                "repeats": a.repeats, "runs": {}}
     servers: dict[str, tuple[subprocess.Popen | None, str]] = {}
+    extra = a.server_args.split() + (["--device", a.device] if a.device else [])
     try:
         for label in labels:  # every server up at once (idle ones cost nothing): policies interleave below
-            servers[label] = (start_server(a.model, label, a.server_args.split(), a.out / f"server_{label}.log")
+            servers[label] = (start_server(a.model, label, extra, a.out / f"server_{label}.log")
                               if a.model else (None, a.base_url.rstrip("/")))
         name, ctx, vocab = server_info(servers[labels[0]][1], a.api_key)
+        device = server_device(servers[labels[0]][1], a.api_key)
+        summary |= {"device": device, "emulated": bool(device.get("emulated"))}
+        if device.get("emulated"):
+            print(f"EMULATED device {device['device']} ({device.get('cost_model')} stage times, no weights)", flush=True)
         vocab = vocab or 256
         lengths = sample_lengths(a.num_prompts, a.seed, a.dataset, ctx, a.input_len, a.output_len,
                                  a.length_scale, a.max_input)
@@ -367,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
                     wait_idle(url)
                     res, dur = asyncio.run(run_rate(url, name, rate, lengths, vocab, a.seed + rep, a.burstiness,
                                                     a.max_seconds, a.api_key))
-                    s = {"label": label, "rate": rate, "repeat": rep, **summarize(res, dur)}
+                    s = {"label": label, "rate": rate, "repeat": rep, "emulated": summary["emulated"],
+                         **summarize(res, dur)}
                     (a.out / f"{label}_rate{rate:g}_rep{rep}.json").write_text(json.dumps(
                         {**s, "requests": [asdict(r) | {"itl": None, "exit_depths": None} for r in res]}, indent=1))
                     reps[label].append(s)
@@ -395,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
         for lab, s in summary["sustained"].items():
             print(f"{lab:13s} sustains {s['max_rate_within_limit']} req/s within {limit:.4g} s/token "
                   f"(interpolated {s['interpolated_rate_at_limit']})")
-    summary["title"] = f"{Path(str(summary['model'])).name}: normalized latency vs rate"
+    summary["title"] = (f"{Path(str(summary['model'])).name}" + (f" on emulated {summary['device']['device'][9:]}"
+                        if summary.get("emulated") else "") + ": normalized latency vs rate")
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(summary, a.out / "normalized_latency.png", limit)
     print(f"wrote {a.out}/summary.json and {a.out}/normalized_latency.png")

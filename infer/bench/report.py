@@ -45,6 +45,9 @@ def format_table(block: dict) -> str:
     st = block["results"][0]["settings"]
     if st.get("simulated"):
         lines.append("(simulated: virtual seconds from the cost model)")
+    elif st.get("emulated"):
+        lines.append(f"(EMULATED {st['emulated']}: wall seconds of the real engine, each launch waiting for the cost "
+                     f"model's predicted stage time; no weights; {st.get('repeats')} repeat(s) per mode)")
     else:
         lines.append(f"({st.get('stat', 'min')} of {st.get('repeats')} repeats per mode; S_e2e(lat): the bound with this "
                      "machine's fitted stage latencies, see latency_bound in infer/bench.py)")

@@ -162,7 +162,11 @@ class RooflineCost:
         return self._roof(nbytes, flops)
 
     def _overhead(self, c: Call) -> float:
-        return self.host(c.stage, c.padded) if self.host is not None else self.overhead
+        return self.host_seconds(c.stage, c.padded)
+
+    def host_seconds(self, stage: Stage, padded: int) -> float:
+        """The host's share of a stage call (the measured table, else the constant overhead)."""
+        return self.host(stage, padded) if self.host is not None else self.overhead
 
     def __call__(self, c: Call) -> float:
         cfg, db = self.cfg, self.dtype_bytes
@@ -293,11 +297,15 @@ class SimRunner:
             return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs])
         return Emitted(torch.tensor([[0.0, 1.0]]).expand(n + len(work.finals), 2))  # logits: every token is id 1
 
+    def depth_of(self, s: Sequence) -> int:
+        """The recorded exit depth of the token the sequence is looping on (requests are numbered)."""
+        return self.depths[int(s.request_id)][len(s.output_ids)]
+
     def _fires(self, s: Sequence) -> bool:
         """The exit signal after this step, for a token whose recorded exit depth is d (lookahead:
         the signal comes a step early)."""
         p = s.policy
-        d = max(p.r_min, min(p.r_max, self.depths[int(s.request_id)][len(s.output_ids)]))
+        d = max(p.r_min, min(p.r_max, self.depth_of(s)))
         step = s.step + 1
         return step == d - 1 if p.lookahead else step == d
 

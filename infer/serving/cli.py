@@ -2,6 +2,7 @@
 
     python -m infer.serve --model checkpoints/ouro-demo [--policy cdb --refill] [--port 8000]
     python -m infer.serve --model ouro-tiny          # a preset: random weights, token-id prompts only
+    python -m infer.serve --model ouro-1.4b --device emulated:h100   # no weights: an emulated GPU's timing
 
 Binds 127.0.0.1 unless told otherwise. SIGINT / SIGTERM: stop accepting, let in-flight requests
 finish for up to --drain-timeout seconds, abort the rest, exit.
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from looplm import PRESETS
+from looplm.errors import ParamError
 
 from infer.engine.config import add_engine_args, engine_config_from_args
 from infer.engine.llm import LOAD_FORMATS, load_model
@@ -32,7 +34,9 @@ def parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--r-max", type=int, default=None, help="override the model's r_max")
     m.add_argument("--dtype", default="float32")
-    m.add_argument("--device", default="cpu")
+    m.add_argument("--device", default="cpu", help="a torch device, or emulated:h100 (also h200, a100): the engine "
+                   "runs on a device that only waits for the simulator's predicted stage times (infer/bench/"
+                   "emulated.py); --model is then a paper model, a preset or a config.json folder")
     m.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights, no weights file "
                         "read (vLLM's --load-format dummy)")
@@ -40,6 +44,13 @@ def parser() -> argparse.ArgumentParser:
                    help="Huginn only: keep the first P prelude, C core and Q coda layers (e.g. 0-4-0; the text is "
                         "meaningless, for throughput)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--mean-depth", type=float, default=None,
+                   help="emulated device: mean exit depth of a binomial spread (default: infer.sim's assumption)")
+    m.add_argument("--replay-exits", type=Path, default=None, metavar="FILE",
+                   help="emulated device: exit depths from a recorded-exits file (python -m infer.bench "
+                        "--record-exits), its records given to requests in turn")
+    m.add_argument("--replay-workload", default=None, help="with --replay-exits: which workload (default: the "
+                   "file's first)")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
@@ -61,15 +72,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_server(a: argparse.Namespace):
+EMULATED = "emulated:"
+
+
+def make_engine(a: argparse.Namespace, emulate=None) -> LLMEngine:
+    """The engine for parsed arguments. `emulate(a) -> LLMEngine` builds one on an emulated device
+    (`--device emulated:...`); it lives with the simulator (infer/bench/emulated.py), which this
+    layer does not import, so `python -m infer.serve` passes it in."""
+    if a.device.startswith(EMULATED):
+        if emulate is None:
+            raise ParamError("device", f"--device {a.device}: the emulated device is wired in by python -m infer.serve")
+        return emulate(a)
+    for k in ("mean_depth", "replay_exits", "replay_workload"):
+        if getattr(a, k, None) is not None:
+            raise ParamError(k, f"--{k.replace('_', '-')} is for an emulated device (--device emulated:h100)")
+    model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format, a.layer_split)
+    return LLMEngine(model, engine_config_from_args(a), tok)
+
+
+def make_server(a: argparse.Namespace, emulate=None):
     """(uvicorn.Server, bound socket) for parsed arguments; used by main() and by the tests."""
     import torch
     import uvicorn
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format, a.layer_split)
-    engine = LLMEngine(model, engine_config_from_args(a), tok)
+    engine = make_engine(a, emulate)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
     app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes,
                     echo_logprobs_depth=a.echo_logprobs_depth)
@@ -79,13 +107,17 @@ def make_server(a: argparse.Namespace):
     return uvicorn.Server(config), sock
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, emulate=None) -> None:
+    """`emulate`: see make_engine."""
     a = parser().parse_args(argv)
+    if a.replicas is not None and a.device.startswith(EMULATED):
+        raise ParamError("replicas", "--replicas with an emulated device is not supported yet (issue 26, "
+                                     "deliverable 3)")
     if a.replicas is not None:  # Ray is imported on this path only
         from .replicas import main as replicas_main
         return replicas_main(a)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server, sock = make_server(a)
+    server, sock = make_server(a, emulate)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {a.host}, reachable beyond this machine"
               + ("" if a.api_key else " without an API key"), flush=True)
@@ -95,8 +127,13 @@ def main(argv: list[str] | None = None) -> None:
               "strings or chat)", file=sys.stderr, flush=True)
     c = aeng.engine.config
     split = f" (layer split {a.layer_split})" if a.layer_split else ""
-    run(server, sock, f"serving {a.model}{split} ({c.policy}{', refill' if c.policy == 'cdb' and c.refill else ''}, "
-                      f"{c.kv_layout})")
+    dev = getattr(aeng.engine.runner, "device_info", None)
+    exits = dev and dev["exits"]
+    on = (f" on an EMULATED {dev['device'][len(EMULATED):].upper()} (no weights; {dev['cost_model']} stage times; "
+          + (f"exits replayed from {exits['replay_exits']}" if "replay_exits" in exits else
+             f"exit depths binomial, mean {exits['mean_depth']:g}") + ")" if dev else "")
+    run(server, sock, f"serving {a.model}{split}{on} ({c.policy}"
+                      f"{', refill' if c.policy == 'cdb' and c.refill else ''}, {c.kv_layout})")
 
 
 if __name__ == "__main__":

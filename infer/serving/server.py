@@ -65,6 +65,10 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
     engine_cfg = aeng.engine.config.describe()  # the resolved settings (checkpoint defaults filled in)
     info = {k: engine_cfg[k] for k in ("policy", "refill", "kv_layout", "max_batch_size", "lookahead",
                                        "exit_criterion", "exit_threshold", "r_min", "full_depth")}
+    # what the engine runs on; an emulated device (infer/bench/emulated.py) says so everywhere
+    device = getattr(aeng.engine.runner, "device_info", None) or {"device": str(aeng.engine.model.device),
+                                                                    "emulated": False}
+    info |= {"device": device["device"], "emulated": str(device["emulated"]).lower()}
     created = int(time.time())
 
     @asynccontextmanager
@@ -294,7 +298,8 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm-cdb", "max_model_len": max_model_len,
                                             "vocab_size": cfg.vocab_size,
-                                            "r_max": cfg.r_max, "arch": cfg.arch, "engine": engine_cfg}]}
+                                            "r_max": cfg.r_max, "arch": cfg.arch, "engine": engine_cfg,
+                                            "device": device}]}
 
     @app.get("/health")
     async def health():
