@@ -275,3 +275,46 @@ def test_bench_online_on_an_emulated_server(tmp_path):
     assert s["emulated"] is True and s["device"]["device"] == H100
     assert all(r["failed"] == 0 for runs in s["runs"].values() for r in runs)
 
+
+
+# ---------------------------------------------------------------------------------- capacity curves
+def test_capacity_point_stats_knees_and_ratios():
+    from infer.bench import capacity as C
+    reqs = [{"error": None, "output_len": 10, "e2e": 1.0 + i, "ttft": 0.1 * (i + 1)} for i in range(10)]
+    reqs.append({"error": "timed out", "output_len": 0, "e2e": None, "ttft": None})
+    s = C.point_stats(reqs)
+    assert s["completed"] == 10 and s["failed"] == 1
+    assert s["norm_latency_mean"] == pytest.approx(0.55) and s["norm_latency_p90"] == pytest.approx(0.91)
+    assert s["ttft_mean_s"] == pytest.approx(0.55) and s["ttft_p90_s"] == pytest.approx(0.91)
+    pts = {"cb": [{"rate": 1, "norm_latency_mean": 0.1, "failed": 0}, {"rate": 2, "norm_latency_mean": 0.5, "failed": 0}],
+           "cdb-refill": [{"rate": 1, "norm_latency_mean": 0.1, "failed": 0},
+                          {"rate": 2, "norm_latency_mean": 0.2, "failed": 0}]}
+    k = C.knees(pts, 0.3)
+    assert k["cb"]["max_rate_within_limit"] == 1 and not k["cb"]["censored"]
+    assert k["cb"]["interpolated_rate_at_limit"] == pytest.approx(1.5)
+    assert k["cdb-refill"]["max_rate_within_limit"] == 2 and k["cdb-refill"]["censored"]
+    assert C.ratios({"cb": 2.0, "cdb-refill": 3.0, "cdb-norefill": None}) == {"cb": 1.0, "cdb-refill": 1.5,
+                                                                              "cdb-norefill": None}
+    assert (C.coda_batch("ouro-1.4b", "sharegpt"), C.coda_batch("huginn-3.5b", "alpaca"),
+            C.coda_batch("huginn-3.5b", "arxiv")) == (1, 16, 2)
+    with pytest.raises(ParamError, match="MODEL:WORKLOAD"):
+        C.parse_pair("ouro-1.4b:nope")
+
+
+def test_capacity_simulated_knees_order_the_policies():
+    from infer.bench import capacity as C
+    k = C.sim_knees("ouro-1.4b", "alpaca", num_requests=32)
+    assert k["cdb-refill"] > k["cdb-norefill"] > k["cb"] > 0
+
+
+@pytest.mark.slow  # three emulated servers and a short sweep (~30 s)
+def test_capacity_script_writes_the_table(tmp_path):
+    from infer.bench import capacity as C
+    res = C.main(["--pairs", "ouro-1.4b:alpaca", "--num-prompts", "8", "--ladder", "0.5", "1.0", "--max-seconds", "30",
+                  "--sim-requests", "16", "--out", str(tmp_path)])
+    pair = json.loads((tmp_path / "capacity.json").read_text())["pairs"][0]
+    assert pair == json.loads(json.dumps(res["pairs"][0]))
+    assert pair["device"]["emulated"] is True and pair["device"]["attention"] == "paged"
+    assert set(pair["knee"]) == set(C.LABELS) and len(pair["points"]["cb"]) == 2
+    assert pair["authors_ratio_to_cb"]["cdb-refill"] == pytest.approx(53.9 / 34.9)
+    assert all(p["failed"] == 0 and p["norm_latency_p90"] >= 0 for pts in pair["points"].values() for p in pts)

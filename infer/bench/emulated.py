@@ -277,7 +277,8 @@ def engine_from_args(a) -> LLMEngine:
     """`python -m infer.serve --device emulated:...`: the engine of its parsed arguments."""
     engine = engine_kwargs_from_args(a)
     return emulated_engine(a.model, a.device, engine, mean_depth=a.mean_depth, replay_exits=a.replay_exits,
-                           replay_workload=a.replay_workload, seed=engine.get("seed") or 0, layer_split=a.layer_split)
+                           replay_workload=a.replay_workload, seed=engine.get("seed") or 0, layer_split=a.layer_split,
+                           attention=a.emulated_attention or "sdpa")
 
 
 # ---------------------------------------------------------------------------------- the offline bench
@@ -292,7 +293,8 @@ def bench_emulated(a, workloads: list[str], modes: list[dict], base: dict, repla
     def engine(mode: dict, w: str) -> LLMEngine:
         return emulated_engine(a.model, a.device, {**base, **{k: v for k, v in mode.items() if k != "name"}},
                                mean_depth=a.mean_depth, replay_exits=a.replay_exits if replay else None,
-                               replay_workload=w, seed=a.seed, layer_split=a.layer_split, by_index=True, trace=True)
+                               replay_workload=w, seed=a.seed, layer_split=a.layer_split, by_index=True, trace=True,
+                               attention=a.emulated_attention)
 
     scale = a.scale if a.scale == "auto" else float(a.scale)
     blocks = []

@@ -435,6 +435,8 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
                    "every launch waits for the simulator's predicted stage time (infer/bench/emulated.py)")
     p.add_argument("--mean-depth", type=float, default=None, help="emulated device: mean exit depth (binomial "
                    "spread; default: infer.sim's assumption); --replay-exits instead replays a file's depths")
+    p.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default="sdpa",
+                   help="emulated device: what decode attention reads (infer.sim's --attention)")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights (real shapes, no "
                         "weights file)")

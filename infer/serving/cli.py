@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--replay-exits", type=Path, default=None, metavar="FILE",
                    help="emulated device: exit depths from a recorded-exits file (python -m infer.bench "
                         "--record-exits), its records given to requests in turn")
+    m.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default=None,
+                   help="emulated device: what decode attention reads (infer.sim's --attention; default sdpa, the "
+                        "engine's CUDA path today; paged: a paged kernel as vLLM's)")
     m.add_argument("--replay-workload", default=None, help="with --replay-exits: which workload (default: the "
                    "file's first)")
     add_engine_args(p)
@@ -83,7 +86,7 @@ def make_engine(a: argparse.Namespace, emulate=None) -> LLMEngine:
         if emulate is None:
             raise ParamError("device", f"--device {a.device}: the emulated device is wired in by python -m infer.serve")
         return emulate(a)
-    for k in ("mean_depth", "replay_exits", "replay_workload"):
+    for k in ("mean_depth", "replay_exits", "replay_workload", "emulated_attention"):
         if getattr(a, k, None) is not None:
             raise ParamError(k, f"--{k.replace('_', '-')} is for an emulated device (--device emulated:h100)")
     model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format, a.layer_split)

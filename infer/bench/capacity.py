@@ -1,0 +1,176 @@
+"""Capacity curves on an emulated GPU (issue 26, deliverable 2): for each (model, workload) pair,
+the online bench (online.py) against emulated servers (emulated.py, `--device emulated:h100`) for
+CB, CDB no-refill and CDB refill, Poisson arrivals at a ladder of rates; per rate the normalised
+latency (s per output token, mean and p90 over requests) and TTFT (mean, p90); the knee of each
+policy; its ratio to CB's beside the authors'. The simulator's knee (drain throughput / mean output
+length, the authors' definition) on the same cost model sits beside it and places the ladder: the
+rates are `--ladder` x the simulated CB knee.
+
+    python -m infer.bench.capacity --pairs ouro-1.4b:alpaca huginn-3.5b:alpaca --num-prompts 128 \
+        --out outputs/capacity
+
+The knee: the highest swept rate whose mean normalised latency (and every lower rate's) stays within
+the limit with no failed request, and the rate where the curve crosses the limit (interpolated;
+online.sustained_rate). The limit: `--slo-factor` (3) x the best mean normalised latency at the
+lowest rate over the three policies (the online bench's rule), one limit per pair. K (refill's
+minimum coda batch): 1 for Ouro, W/4 for Huginn, W the batch window (`max_batch_size`: 64, 8 for
+ArXiv as the authors ran it). Exit depths: binomial around infer.sim's assumed mean depth. Decode
+attention: a paged kernel's reads (`ATTENTION`). With fewer prompts than W at a rate nothing queues:
+`--num-prompts` must be well above W for a knee to show.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from looplm.errors import ParamError
+from looplm.presets import PAPER_MODELS, paper_config
+
+from . import online
+from .sim import ASSUMED_MEAN_DEPTH, HOST_JSON, HostCost, RooflineCost, binomial_depths, depths_from_distribution, \
+    h100_kv_tokens, served_context, simulate_mode
+from .workloads import WORKLOADS, make_requests
+
+LABELS = ("cb", "cdb-norefill", "cdb-refill")
+# the authors' capacity knees, req/s (shells/paper/serving_rate-sweep.sh; issue 26)
+AUTHORS = {("ouro-1.4b", "sharegpt"): (4.7, 5.7, 7.2), ("ouro-1.4b", "alpaca"): (34.9, 39.5, 53.9),
+           ("ouro-1.4b", "arxiv"): (0.393, 0.474, 0.518), ("huginn-3.5b", "sharegpt"): (1.84, 2.44, 2.43),
+           ("huginn-3.5b", "alpaca"): (13.8, 18.0, 17.6), ("huginn-3.5b", "arxiv"): (0.178, 0.244, 0.233)}
+LADDER = (0.6, 0.9, 1.1, 1.3, 1.6, 2.0)
+# decode attention reads whole KV blocks of each context (a paged kernel, as the authors' vLLM); the
+# engine's SDPA gather to the batch's longest context would dominate long-output workloads
+ATTENTION = "paged"
+
+
+def window(workload: str) -> int:
+    """W, the batch window (max_batch_size): 8 for ArXiv, as the authors ran it; else the engine's 64."""
+    return 8 if workload == "arxiv" else 64
+
+
+def coda_batch(model: str, workload: str) -> int:
+    """K: 1 for Ouro, W/4 for Huginn."""
+    return 1 if model.startswith("ouro") else max(1, window(workload) // 4)
+
+
+def modes(model: str, workload: str) -> list[dict]:
+    return [{"name": "cb", "policy": "cb"}, {"name": "cdb-norefill", "policy": "cdb", "refill": False},
+            {"name": "cdb-refill", "policy": "cdb", "refill": True, "min_coda_batch": coda_batch(model, workload)}]
+
+
+def sim_knees(model: str, workload: str, num_requests: int = 128, seed: int = 0) -> dict[str, float]:
+    """Per policy, the simulator's knee: requests / virtual seconds to drain them all at once."""
+    cfg = paper_config(model)
+    engine = {"max_batch_size": window(workload)}
+    engine["kv_cache_tokens"] = h100_kv_tokens(cfg)
+    ctx = served_context(cfg, engine)
+    reqs = make_requests(workload, num_requests, seed=seed, scale=1.0, max_model_len=ctx, vocab_size=cfg.vocab_size)
+    depths = depths_from_distribution(binomial_depths(cfg.r_max, ASSUMED_MEAN_DEPTH[model]), reqs, seed)
+    cost = RooflineCost(cfg, host=HostCost.from_json(HOST_JSON) if HOST_JSON.exists() else None, attention=ATTENTION)
+    out = {}
+    for m in modes(model, workload):
+        raw = simulate_mode(cfg, reqs, m, cost, depths, **engine)
+        out[m["name"]] = raw["num_requests"] / raw["seconds"]
+    return out
+
+
+def point_stats(requests: list[dict]) -> dict:
+    """One (policy, rate) point from the online bench's per-request records: normalised latency
+    (E2E / output tokens) and TTFT, mean and p90 over the completed requests, and the failures."""
+    ok = [r for r in requests if r["error"] is None and r["output_len"]]
+    nl = [r["e2e"] / r["output_len"] for r in ok]
+    ttft = [r["ttft"] for r in ok]
+    f = (lambda xs, q=None: (float(np.mean(xs)) if q is None else float(np.percentile(xs, q))) if xs else None)
+    return {"completed": len(ok), "failed": len(requests) - len(ok), "norm_latency_mean": f(nl),
+            "norm_latency_p90": f(nl, 90), "ttft_mean_s": f(ttft), "ttft_p90_s": f(ttft, 90)}
+
+
+def knees(points: dict[str, list[dict]], limit: float) -> dict[str, dict]:
+    """Per policy, online.sustained_rate's knee and crossing; `censored`: the curve stayed within the
+    limit up to the ladder's top rate, so the knee is only a lower bound."""
+    out = {}
+    for lab, pts in points.items():
+        k = online.sustained_rate([(p["rate"], p["norm_latency_mean"], p["failed"]) for p in pts], limit)
+        out[lab] = {**k, "censored": k["max_rate_within_limit"] == max(p["rate"] for p in pts)}
+    return out
+
+
+def ratios(knee: dict[str, float | None]) -> dict[str, float | None]:
+    cb = knee.get("cb")
+    return {lab: (k / cb if k is not None and cb else None) for lab, k in knee.items()}
+
+
+def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor: float, max_seconds: float,
+             sim_requests: int, seed: int, out: Path) -> dict:
+    sk = sim_knees(model, workload, sim_requests, seed)
+    rates = [round(sk["cb"] * f, 4) for f in ladder]
+    d = out / f"{model}_{workload}"
+    server_args = (f"--threads 1 --max-batch-size {window(workload)} --min-coda-batch {coda_batch(model, workload)} "
+                   f"--emulated-attention {ATTENTION}")
+    summary = online.main(["--model", model, "--device", "emulated:h100", "--policies", ",".join(LABELS),
+                           "--rates", ",".join(f"{r:g}" for r in rates), "--num-prompts", str(num_prompts),
+                           "--dataset", workload, "--length-scale", "1", "--max-seconds", str(max_seconds),
+                           "--slo-factor", str(slo_factor), "--server-args", server_args, "--seed", str(seed),
+                           "--out", str(d)])
+    points = {lab: [] for lab in LABELS}
+    for lab in LABELS:
+        for r in rates:
+            rec = json.loads((d / f"{lab}_rate{r:g}_rep0.json").read_text())
+            points[lab].append({"rate": r, **point_stats(rec["requests"]),
+                                "output_throughput": rec["output_throughput"]})
+    limit = summary["limit_s_per_token"]
+    k = knees(points, limit)
+    crossing = {lab: v["interpolated_rate_at_limit"] for lab, v in k.items()}
+    authors = dict(zip(LABELS, AUTHORS[(model, workload)])) if (model, workload) in AUTHORS else None
+    return {"model": model, "workload": workload, "W": window(workload), "K": coda_batch(model, workload),
+            "mean_exit_depth": ASSUMED_MEAN_DEPTH[model], "device": summary.get("device"),
+            "mean_input_len": summary.get("mean_input_len"), "mean_output_len": summary.get("mean_output_len"),
+            "sim_knee": sk, "sim_ratio_to_cb": ratios(sk), "rates": rates, "limit_s_per_token": limit,
+            "limit_rule": summary["limit_rule"], "points": points, "knee": k,
+            "knee_ratio_to_cb": ratios({lab: v["max_rate_within_limit"] for lab, v in k.items()}),
+            "crossing_ratio_to_cb": ratios(crossing), "authors_knee": authors,
+            "authors_ratio_to_cb": ratios(authors) if authors else None, "plot": str(d / "normalized_latency.png")}
+
+
+def parse_pair(s: str) -> tuple[str, str]:
+    model, _, workload = s.partition(":")
+    if model not in PAPER_MODELS or workload not in WORKLOADS:
+        raise ParamError("pairs", f"{s!r}: expected MODEL:WORKLOAD with MODEL in {sorted(PAPER_MODELS)} and WORKLOAD "
+                                  f"in {list(WORKLOADS)}")
+    if model not in ASSUMED_MEAN_DEPTH:
+        raise ParamError("pairs", f"{model}: no assumed mean depth (infer.sim's ASSUMED_MEAN_DEPTH)")
+    return model, workload
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m infer.bench.capacity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", nargs="+", default=[f"{m}:{w}" for m, w in AUTHORS], help="MODEL:WORKLOAD ...")
+    p.add_argument("--num-prompts", type=int, default=128, help="requests per (policy, rate); well above W")
+    p.add_argument("--ladder", type=float, nargs="+", default=list(LADDER), help="rates as multiples of the "
+                   "simulated CB knee")
+    p.add_argument("--slo-factor", type=float, default=3.0)
+    p.add_argument("--max-seconds", type=float, default=120.0, help="cap per (policy, rate), sending + waiting")
+    p.add_argument("--sim-requests", type=int, default=128, help="requests of the simulator's drain")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("outputs/capacity"))
+    a = p.parse_args(argv)
+    pairs = [parse_pair(s) for s in a.pairs]
+    a.out.mkdir(parents=True, exist_ok=True)
+    res = {"pairs": [], "command": "python -m infer.bench.capacity " + " ".join(
+        argv if argv is not None else __import__("sys").argv[1:])}
+    for model, workload in pairs:
+        res["pairs"].append(run_pair(model, workload, num_prompts=a.num_prompts, ladder=a.ladder,
+                                     slo_factor=a.slo_factor, max_seconds=a.max_seconds, sim_requests=a.sim_requests,
+                                     seed=a.seed, out=a.out))
+        (a.out / "capacity.json").write_text(json.dumps(res, indent=1))  # after every pair: a partial run keeps its
+    print(json.dumps([{k: v for k, v in r.items() if k not in ("points", "device")} for r in res["pairs"]], indent=1))
+    print(f"json: {a.out / 'capacity.json'}")
+    return res
+
+
+if __name__ == "__main__":
+    from looplm.cli import run
+
+    run(main)
