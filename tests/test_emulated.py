@@ -89,6 +89,17 @@ def test_wall_time_waits_for_the_predicted_time_and_matches_the_simulator():
     assert [o.exit_depths for o in outs] == raw["exit_depths"]
 
 
+
+def test_preemption_swaps_are_waited_for():
+    from infer.bench.workloads import Request
+    eng = E.emulated_engine("ouro-1.4b", H100, {"kv_cache_tokens": 160, "watermark": 0.0, "max_batch_size": 8},
+                            by_index=True)
+    eng.runner.pcie_bandwidth = 1e9  # slow copies: the swaps' share of the time is visible
+    outs, wall = run_all(eng, [Request([3 + i] * 20, 30, 20, 30) for i in range(8)])
+    assert eng.metrics()["preemptions"] > 0 and all(len(o.token_ids) == 30 for o in outs)
+    assert eng.runner.swap_seconds > 0.01 and wall >= eng.runner.clock * 0.999
+
+
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_token_counts_and_depths_follow_the_engine_rules(lookahead):
     eng = E.emulated_engine("huginn-3.5b", H100, {"max_batch_size": 8, "lookahead": lookahead}, mean_depth=6.0)

@@ -21,6 +21,7 @@ depth 2, so r_min defaults to 2 with --lookahead, else 1.
 """
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict
 from functools import partial
@@ -92,7 +93,6 @@ class DrawnDepths:
     def __call__(self, request_id: str, i: int) -> int:
         row = self._rows.get(request_id)
         if row is None:
-            import random
             row = self._rows[request_id] = (random.Random(f"depths:{self.seed}:{request_id}"), [max(self.ds)])
             if len(self._rows) > self.keep:  # finished requests are never asked again
                 self._rows.popitem(last=False)
@@ -172,6 +172,14 @@ class EmulatedRunner(SimRunner):
                 return Emitted(logits)
             return Emitted(self._row.expand(rows, -1))
         return out
+
+    def swap(self, ops) -> None:
+        """A preemption's copies (SimRunner prices them at PCIe bandwidth), waited for as well."""
+        before = self.clock
+        super().swap(ops)
+        if self.clock > before:
+            time.sleep(self.clock - before)
+            self.waited += self.clock - before
 
     def describe(self) -> dict:
         """What the emulated device did so far: predicted and slept seconds."""
