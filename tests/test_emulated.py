@@ -208,6 +208,11 @@ def test_server_answers_the_openai_routes(emulated_server):
                              extra_body={"r_min": 3})
     assert len(r.choices[0].token_ids) == 5 and all(d >= 3 for d in r.choices[0].exit_depths)
     assert len(r.choices[0].logprobs.token_logprobs) == 5
+    for depth in ("full", "policy"):  # echo: the prompt's log-probs (uniform over the vocabulary: no model)
+        r = c.completions.create(model="ouro-1.4b", prompt=[5, 6, 7], max_tokens=0, echo=True, logprobs=1,
+                                 extra_body={"echo_logprobs_depth": depth})
+        lp = r.choices[0].logprobs.token_logprobs
+        assert lp[0] is None and len(lp) == 3 and all(x < -5 for x in lp[1:]), (depth, lp)
     with pytest.raises(openai.BadRequestError, match="context length"):
         c.completions.create(model="ouro-1.4b", prompt=[5] * 10, max_tokens=5000)
 

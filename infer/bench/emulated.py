@@ -33,7 +33,7 @@ from infer.engine.config import EngineConfig, engine_kwargs_from_args
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.runner import Emitted
 from infer.engine.scheduler import Work
-from infer.engine.sequence import Sequence
+from infer.engine.sequence import Sequence, Stage
 from looplm import PAPER_MODELS, PRESETS, LoopConfig, load_tokenizer, paper_config, preset_config
 from looplm.errors import ParamError
 from looplm.layer_split import split_config
@@ -161,17 +161,26 @@ class EmulatedRunner(SimRunner):
         if left > 0:
             time.sleep(left)
             self.waited += left
-        end = time.perf_counter()
-        self._late = max(0.0, end - deadline)
+            end = time.perf_counter()
+            self._late = max(0.0, end - deadline)
+        else:  # an overshoot this wait could not absorb carries on; a host overrun does not (the device idled)
+            end = time.perf_counter()
+            self._late = min(self._late, -left)
         self._returned = end
-        if isinstance(out, Emitted):
-            rows = len(work.seqs) + len(work.finals)
-            if any(s.forced is not None for s in work.seqs):  # teacher forcing reads the forced token's log-prob
-                logits = torch.zeros(rows, self.cfg.vocab_size)
-                logits[:, self.token_id] = 30.0
-                return Emitted(logits)
-            return Emitted(self._row.expand(rows, -1))
-        return out
+        if not isinstance(out, Emitted):
+            return out
+        rows = len(work.seqs) + len(work.finals)
+        firsts = work.seqs if work.stage is Stage.PREFILL else work.finals  # the prompts completed here
+        prompt = {s.seq_id: self._wide(len(s.prompt_ids)) for s in firsts if s.params.prompt_logprobs is not None}
+        # teacher forcing reads the forced token's log-prob: then every id needs a logit
+        wide = any(s.forced is not None for s in (*work.seqs, *work.finals))
+        return Emitted(self._wide(rows) if wide else self._row.expand(rows, -1), prompt or None)
+
+    def _wide(self, rows: int) -> torch.Tensor:
+        """Logits over the whole vocabulary, the emulated token far ahead (prompt log-probs, forcing)."""
+        x = torch.zeros(rows, self.cfg.vocab_size)
+        x[:, self.token_id] = 30.0
+        return x
 
     def swap(self, ops) -> None:
         """A preemption's copies (SimRunner prices them at PCIe bandwidth), waited for as well."""
