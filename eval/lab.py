@@ -24,19 +24,26 @@ import numpy as np
 from train.tasks.hops import generate
 
 
-def run(llm, records: list[dict], **overrides) -> dict:
+def run(llm, records: list[dict], per_record: bool = False, **overrides) -> dict:
+    """Exact match and exit depths of `records` through `llm` (greedy). `per_record`: also each
+    record's correctness and answer-token depth sum / count (`items`, for a paired bootstrap)."""
     from infer.engine.sampling import SamplingParams
     sp = SamplingParams(max_tokens=max(len(r["answer"]) for r in records) + 2, temperature=0.0, **overrides)
     t0 = time.time()
     outs = llm.generate([r["prompt"] for r in records], sp, use_tqdm=False)
     by, depth_by, all_depths = {}, {}, []
+    items = {"correct": [], "depth_sum": [], "depth_n": []}
     for r, o in zip(records, outs):
         by.setdefault(r["difficulty"], []).append(o.text.strip() == r["answer"])
+        n0 = len(all_depths)
         # each answer token's difficulty: that of its first character (`x=` tokens are copies)
         starts = [a for a, _ in llm.tokenizer(r["answer"], return_offsets_mapping=True)["offset_mapping"]]
         for j, d in enumerate(o.exit_depths[1:len(starts)], start=1):  # [0]: the prefill's token
             depth_by.setdefault(r["token_difficulty"][starts[j]], []).append(d)
             all_depths.append(d)
+        items["correct"].append(float(by[r["difficulty"]][-1]))
+        items["depth_sum"].append(float(sum(all_depths[n0:])))
+        items["depth_n"].append(len(all_depths) - n0)
     easy = depth_by.get(0, [])
     hard = [d for k, v in depth_by.items() if k > 0 for d in v]
     res = {"overrides": overrides, "acc": float(np.mean([x for v in by.values() for x in v])),
@@ -46,6 +53,8 @@ def run(llm, records: list[dict], **overrides) -> dict:
            "easy_mean_depth": float(np.mean(easy)), "hard_mean_depth": float(np.mean(hard)),
            "hard_over_easy": float(np.mean(hard) / np.mean(easy)), "wall_s": round(time.time() - t0, 1),
            "seconds": time.time() - t0, "output_tokens": sum(len(o.token_ids) for o in outs)}
+    if per_record:
+        res["items"] = items
     return res
 
 

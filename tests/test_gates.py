@@ -17,7 +17,7 @@ from looplm.policy import ExitTracker
 from helpers import ARCHS, MODES_KBIG, random_requests, run_staggered, stable_seed
 
 THRESHOLDS = {"lookahead_gate": 0.55, "preloop": 0.5}
-LAYOUTS = ["last_exited", "shared"]
+LAYOUTS = ["last_exited", "shared", "first_then_shared"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,3 +194,43 @@ def test_matched_depth_interpolation():
     pts = [{"mean_exit_depth": 2.0, "acc": 0.8}, {"mean_exit_depth": 3.0, "acc": 1.0}, {"mean_exit_depth": 1.5, "acc": 0.5}]
     assert abs(at_depth(pts, 2.5) - 0.9) < 1e-12 and abs(at_depth(pts, 1.75) - 0.65) < 1e-12
     assert at_depth(pts, 1.0) is None and at_depth(pts, 3.5) is None  # never extrapolated
+
+
+def _sweep(correct_by_q, depth_by_q):
+    """Sweep points with per-record items: records i correct per `correct_by_q[q]`, two answer tokens
+    each at depth `depth_by_q[q][i]`."""
+    from eval.gates import _scores
+    pts = []
+    for q, c in correct_by_q.items():
+        items = {"correct": list(c), "depth_sum": [2.0 * d for d in depth_by_q[q]], "depth_n": [2] * len(c)}
+        acc, depth = _scores(items, np.arange(len(c))[None])
+        pts.append({"threshold": q, "acc": float(acc[0]), "mean_exit_depth": float(depth[0]), "items": items})
+    return pts
+
+
+def test_paired_bootstrap_of_matched_depth_differences():
+    """Identical gates differ by exactly 0 in every resample; a gate that is wrong on a record the
+    other gets right differs by 1/n at every depth, inside its interval; layouts pair gate by gate."""
+    from eval.gates import bootstrap
+    rng = np.random.default_rng(5)
+    n = 50
+    c = {q: (rng.random(n) < 0.5 + q / 2).astype(float) for q in (0.1, 0.5, 0.9)}
+    d = {q: 1 + 2 * q + 0.1 * rng.random(n) for q in c}
+    worse = {q: np.where(np.arange(n) == int(np.argmax(v)), 0.0, v) for q, v in c.items()}  # one record flipped
+    runs = {"last_exited": {"stock": _sweep(c, d), "stock_late": _sweep(c, d), "lookahead_head": _sweep(worse, d)},
+            "shared": {"stock": _sweep(c, d)}}
+    out = bootstrap(runs, [1.5, 2.0, 5.0], iters=200, seed=0)
+    by = {(r["a"], r["b"], r["depth"]): r for r in out}
+    same = by[("last_exited/stock_late", "last_exited/stock", 1.5)]
+    assert same["diff"] == 0 and same["ci95"] == [0.0, 0.0] and same["resamples"] == 200
+    flip = by[("last_exited/lookahead_head", "last_exited/stock_late", 2.0)]
+    assert abs(flip["diff"] + 1 / n) < 1e-12 and flip["ci95"][0] <= flip["diff"] <= flip["ci95"][1] <= 0
+    assert ("shared/stock", "last_exited/stock", 2.0) in by
+    assert not any(r["depth"] == 5.0 for r in out)  # beyond every sweep: not reported
+
+
+def test_gates_config_file(tmp_path):
+    from eval.gates import main
+    (tmp_path / "bad.yaml").write_text("model: x\nthreshold: [0.5]\n")
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "bad.yaml")])
