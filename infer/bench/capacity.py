@@ -134,6 +134,68 @@ def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor:
             "authors_ratio_to_cb": ratios(authors) if authors else None, "plot": str(d / "normalized_latency.png")}
 
 
+def table(pairs: list[dict]) -> str:
+    """The knee table (markdown): per pair and policy the simulator's and the online knee, and each
+    one's ratio to CB beside the authors'."""
+    f = (lambda x, p=2: "-" if x is None else f"{x:.{p}f}")
+    lines = ["| model | workload | policy | sim knee | online knee (crossing) | online / CB | sim / CB | authors' knee | "
+             "authors / CB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in pairs:
+        for lab in LABELS:
+            k = r["knee"][lab]
+            knee = ("≥ " if k["censored"] else "") + f(k["max_rate_within_limit"]) + \
+                f" ({f(k['interpolated_rate_at_limit'])})"
+            a = r["authors_knee"] or {}
+            lines.append(f"| {r['model']} | {r['workload']} | {lab} | {f(r['sim_knee'][lab])} | {knee} | "
+                         f"{f(r['knee_ratio_to_cb'][lab])} ({f(r['crossing_ratio_to_cb'][lab])}) | "
+                         f"{f(r['sim_ratio_to_cb'][lab])} | {f(a.get(lab), 3)} | "
+                         f"{f((r['authors_ratio_to_cb'] or {}).get(lab))} |")
+    return "\n".join(lines)
+
+
+def curve_table(pair: dict) -> str:
+    """One pair's points (markdown): normalised latency and TTFT, mean and p90, per rate and policy."""
+    f = (lambda x, p=1: "-" if x is None else f"{x:.{p}f}")
+    lines = [f"{pair['model']} {pair['workload']} (limit {1e3 * pair['limit_s_per_token']:.1f} ms/token)", "",
+             "| rate (req/s) | " + " | ".join(f"{lab} NL mean / p90 (ms/tok), TTFT mean / p90 (s)" for lab in LABELS)
+             + " |", "|---|" + "---|" * len(LABELS)]
+    for i, rate in enumerate(pair["rates"]):
+        cells = []
+        for lab in LABELS:
+            p = pair["points"][lab][i]
+            nl = [None if p[k] is None else 1e3 * p[k] for k in ("norm_latency_mean", "norm_latency_p90")]
+            cells.append(f"{f(nl[0])} / {f(nl[1])}, {f(p['ttft_mean_s'], 2)} / {f(p['ttft_p90_s'], 2)}"
+                         + (f" ({p['failed']} failed)" if p["failed"] else ""))
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(pairs: list[dict], path: Path) -> Path:
+    """The paper's online figure, one panel per pair: mean normalised latency vs rate per policy
+    (p90 dashed), the limit, the knees."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], pairs):
+        for lab, color in zip(LABELS, ("#888888", "#4878d0", "#d65f5f")):
+            pts = [p for p in r["points"][lab] if p["norm_latency_mean"] is not None]
+            ax.plot([p["rate"] for p in pts], [1e3 * p["norm_latency_mean"] for p in pts], "o-", color=color, label=lab)
+            ax.plot([p["rate"] for p in pts], [1e3 * p["norm_latency_p90"] for p in pts], ":", color=color)
+        ax.axhline(1e3 * r["limit_s_per_token"], color="k", ls="--", lw=0.8, label="limit")
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalised latency (ms/token)")
+        ax.set_title(f"{r['model']} {r['workload']}, emulated H100", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def parse_pair(s: str) -> tuple[str, str]:
     model, _, workload = s.partition(":")
     if model not in PAPER_MODELS or workload not in WORKLOADS:
@@ -166,6 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
                                      seed=a.seed, out=a.out))
         (a.out / "capacity.json").write_text(json.dumps(res, indent=1))  # after every pair: a partial run keeps its
     print(json.dumps([{k: v for k, v in r.items() if k not in ("points", "device")} for r in res["pairs"]], indent=1))
+    print(f"plot: {plot(res['pairs'], a.out / 'capacity.png')}")
+    print(table(res["pairs"]))
+    for r in res["pairs"]:
+        print("\n" + curve_table(r))
     print(f"json: {a.out / 'capacity.json'}")
     return res
 
