@@ -334,3 +334,14 @@ def test_capacity_script_writes_the_table(tmp_path):
     assert set(pair["knee"]) == set(C.LABELS) and len(pair["points"]["cb"]) == 2
     assert pair["authors_ratio_to_cb"]["cdb-refill"] == pytest.approx(53.9 / 34.9)
     assert all(p["failed"] == 0 and p["norm_latency_p90"] >= 0 for pts in pair["points"].values() for p in pts)
+
+
+def test_layer_split_emulates_the_smaller_model():
+    reqs = make_requests("alpaca", 4, seed=0, max_model_len=512, vocab_size=65536)
+    clocks = {}
+    for split in (None, "0-4-0"):
+        eng = E.emulated_engine("huginn-3.5b", H100, {"kv_cache_tokens": 4096}, layer_split=split, by_index=True)
+        run_all(eng, reqs)
+        clocks[split] = eng.runner.clock
+        assert (eng.model.cfg.n_prelude, eng.model.cfg.n_coda) == ((2, 2) if split is None else (0, 0))
+    assert clocks["0-4-0"] < clocks[None]
