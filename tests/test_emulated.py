@@ -323,6 +323,13 @@ def test_capacity_simulated_knees_order_the_policies():
     assert k["cdb-refill"] > k["cdb-norefill"] > k["cb"] > 0
 
 
+def test_capacity_sim_only(tmp_path):
+    from infer.bench import capacity as C
+    rows = C.main(["--sim-only", "--pairs", "huginn-3.5b:arxiv", "--sim-requests", "8", "--out", str(tmp_path)])["sim"]
+    assert json.loads((tmp_path / "sim_knees.json").read_text()) == rows
+    assert rows[0]["W"] == 8 and rows[0]["K"] == 2 and rows[0]["sim_ratio_to_cb"]["cb"] == 1.0
+
+
 @pytest.mark.slow  # three emulated servers and a short sweep (~30 s)
 def test_capacity_script_writes_the_table(tmp_path):
     from infer.bench import capacity as C

@@ -215,11 +215,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--slo-factor", type=float, default=3.0)
     p.add_argument("--max-seconds", type=float, default=120.0, help="cap per (policy, rate), sending + waiting")
     p.add_argument("--sim-requests", type=int, default=128, help="requests of the simulator's drain")
+    p.add_argument("--sim-only", action="store_true", help="only the simulator's knees (virtual time, seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/capacity"))
     a = p.parse_args(argv)
     pairs = [parse_pair(s) for s in a.pairs]
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.sim_only:
+        rows = []
+        for model, workload in pairs:
+            sk = sim_knees(model, workload, a.sim_requests, a.seed)
+            au = dict(zip(LABELS, AUTHORS[(model, workload)])) if (model, workload) in AUTHORS else None
+            rows.append({"model": model, "workload": workload, "W": window(workload), "K": coda_batch(model, workload),
+                         "sim_knee": sk, "sim_ratio_to_cb": ratios(sk), "authors_knee": au,
+                         "authors_ratio_to_cb": ratios(au) if au else None})
+        (a.out / "sim_knees.json").write_text(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1))
+        return {"sim": rows}
     res = {"pairs": [], "command": "python -m infer.bench.capacity " + " ".join(
         argv if argv is not None else __import__("sys").argv[1:])}
     for model, workload in pairs:
