@@ -356,3 +356,64 @@ def test_shared_kv_rows_run(tiny_folder, tmp_path):
     hist = json.loads((tmp_path / "out" / "history.json").read_text())
     assert "shared_em" in hist[0] and "last_exited_em" in hist[0]
     load_pretrained(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("layout", ["shared", "last_exited"])
+def test_prompt_grad_gives_the_exact_gradient_of_a_decode_token_after_a_prompt(name, layout):
+    """--prompt-grad: a row whose completion is one decode token after the prefilled one reads only
+    the prompt's K/V, so pass 2's loss is then exact in value AND gradient: its directional
+    derivative equals the finite difference of the sequential (fixed-point) loss, float64. Without
+    it (the prompt's K/V detached) the gradient misses the path through the prompt's K/V."""
+    from train import shared_kv
+    m = tiny_model(name, dtype=torch.float64, std=0.15, seed=4)
+    for p in m.parameters():
+        p.requires_grad_(True)
+    rows = _rows(6, [2], seed=2)
+    tok, mask, pl = rows.pack([0])
+    ids, tgt, tm = tok[:, :-1], tok[:, 1:], mask[:, 1:]
+    a = shared_kv.parse(["--model", "x", "--output", "o", "--layout", layout, "--step-loss", "0", "--train", "lm",
+                         "--pass1-sweeps", "3"])
+    pol = ExitPolicy.from_config(m.cfg, threshold=0.55)
+    names = [n for n, p in m.named_parameters() if "exit_gate" not in n]
+    params = dict(m.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    direction = {n: torch.randn(params[n].shape, generator=g, dtype=torch.float64) for n in names}
+
+    def exact_loss() -> float:
+        sw, _, _ = converge(m, ids, pol, layout, prompt_len=pl, max_sweeps=40, tol=0.0)
+        ce = torch.nn.functional.cross_entropy(sw.exit_logits[0], tgt[0], reduction="none")
+        return float(ce[tm[0]].mean())
+
+    def move(eps: float) -> None:
+        with torch.no_grad():
+            for n in names:
+                params[n].add_(eps * direction[n])
+
+    eps = 1e-6
+    move(eps)
+    up = exact_loss()
+    move(-2 * eps)
+    down = exact_loss()
+    move(eps)
+    fd = (up - down) / (2 * eps)
+    derivs = {}
+    for on in (True, False):
+        prev, _, _ = converge(m, ids, pol, layout, prompt_len=pl, max_sweeps=40, tol=0.0)
+        sw = sweep(m, ids, pol, layout, prev, pl, prompt_grad=on)
+        loss = torch.nn.functional.cross_entropy(sw.exit_logits[0], tgt[0], reduction="none")[tm[0]].mean()
+        assert abs(float(loss.detach()) - exact_loss()) < 1e-12  # the same value either way
+        m.zero_grad(set_to_none=True)
+        loss.backward()
+        derivs["on" if on else "off"] = sum(float((params[n].grad * direction[n]).sum()) for n in names
+                                            if params[n].grad is not None)
+    # train/shared_kv.py's pass 2 takes it from --prompt-grad (auto: on with --rows); its CE is float32
+    a.prompt_grad, a.rows = "auto", Path("rows.npz")
+    obj = shared_kv.SharedKVObjective(m, a, pol)
+    out = obj(tok, obj(tok, mode="pass1", prompt_len=pl), mode="pass2", mask=mask, prompt_len=pl)
+    m.zero_grad(set_to_none=True)
+    out["lm"].backward()
+    d_obj = sum(float((params[n].grad * direction[n]).sum()) for n in names if params[n].grad is not None)
+    assert abs(d_obj - fd) < 1e-4 * max(1.0, abs(fd)), (d_obj, fd)
+    assert abs(derivs["on"] - fd) < 1e-5 * max(1.0, abs(fd)), (derivs, fd)
+    assert abs(derivs["off"] - fd) > 1e-4 * max(1.0, abs(fd)), (derivs, fd)

@@ -124,16 +124,26 @@ def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, logits, aux)
 
 
 def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prev: Sweep | None = None,
-          prompt_len: int = 1, step_logits: bool = False, checkpoint: bool = False) -> Sweep:
+          prompt_len: int = 1, step_logits: bool = False, checkpoint: bool = False, prompt_grad: bool = False) -> Sweep:
     """One parallel pass of the loop over ids [B, T] (see the module docstring). Runs with or
     without grad, as the caller's context decides; context K/V from `prev` are detached.
-    `checkpoint`: activation checkpointing per core step (the recomputation restores the step)."""
+    `checkpoint`: activation checkpointing per core step (the recomputation restores the step).
+    `prompt_grad` (with `prev`): the prompt's context K/V come from a fresh pass over the prompt
+    alone, with grad, instead of prev's detached copy: the same values (a prompt never depends on
+    a sweep: full depth, fresh depth-major attention), but the loss of the positions after it now
+    reaches the prompt's K/V (e.g. the final-step K/V that `shared` decode tokens read)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; supported: {LAYOUTS}")
     if prev is not None:
-        prev = Sweep(prev.states, prev.scores, prev.depths,
-                     [(k.detach(), v.detach()) for k, v in prev.core_kv],
-                     [(k.detach(), v.detach()) for k, v in prev.coda_kv], prev.exit_logits, None)
+        core = [(k.detach(), v.detach()) for k, v in prev.core_kv]
+        coda = [(k.detach(), v.detach()) for k, v in prev.coda_kv]
+        if prompt_grad and prompt_len > 0 and layout != "full_depth":
+            P = min(prompt_len, ids.shape[1])
+            pre = sweep(model, ids[:, :P], policy, layout, None, P, checkpoint=checkpoint)
+            core = [(torch.cat([pk, k[:, :, P:]], 2), torch.cat([pv, v[:, :, P:]], 2))
+                    for (pk, pv), (k, v) in zip(pre.core_kv, core)]
+            coda = [(torch.cat([pk, k[:, P:]], 1), torch.cat([pv, v[:, P:]], 1)) for (pk, pv), (k, v) in zip(pre.coda_kv, coda)]
+        prev = Sweep(prev.states, prev.scores, prev.depths, core, coda, prev.exit_logits, None)
     S, T = policy.r_max, ids.shape[1]
     rec = _Recorder(layout, prev, prompt_len)
     rope = model.rope(torch.arange(T, device=ids.device))

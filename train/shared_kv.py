@@ -175,7 +175,8 @@ class SharedKVObjective(nn.Module):
                 for _ in range(a.pass1_sweeps):
                     cur = sweep(m, ids, pol, a.layout, cur, pl)
             return cur
-        sw = sweep(m, ids, pol, a.layout, prev, pl, step_logits=True, checkpoint=a.gradient_checkpointing)
+        sw = sweep(m, ids, pol, a.layout, prev, pl, step_logits=True, checkpoint=a.gradient_checkpointing,
+                   prompt_grad=prompt_grad(a))
         ce_exit = token_ce(sw.exit_logits, tgt)
         ce_steps = torch.stack([token_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
         lm = masked_mean(ce_exit, tm) + a.step_loss * masked_mean(ce_steps, tm)
@@ -208,6 +209,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return x.mean()
     m = mask.expand_as(x)
     return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def prompt_grad(a: argparse.Namespace) -> bool:
+    """--prompt-grad: default on with --rows (whose prompts are whole records' prompts), off otherwise."""
+    return a.prompt_grad == "on" or (a.prompt_grad == "auto" and getattr(a, "rows", None) is not None)
 
 
 def decode_mean(x: torch.Tensor, mask: torch.Tensor | None, prompt_len: int) -> torch.Tensor:
@@ -301,6 +307,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--step-loss", type=float, default=0.5, help="weight of the mean CE over all steps")
     p.add_argument("--pass1-sweeps", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=1, help="positions run as a full-depth prompt")
+    p.add_argument("--prompt-grad", choices=["auto", "on", "off"], default="auto",
+                   help="pass 2 reads the prompt's context K/V from a fresh pass over the prompt, with grad (same "
+                        "values; the decode tokens' loss reaches the prompt's K/V); auto: on with --rows")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=8, help="per process")
     p.add_argument("--ctx", type=int, default=128)
@@ -378,7 +387,7 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
-            "prompt_len", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+            "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
