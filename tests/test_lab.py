@@ -137,3 +137,20 @@ def test_rows_file_round_trips_and_is_what_the_engine_prefills(tmp_path):
         row, pl = rows.row(i).tolist(), int(rows.prompt_len[i])
         assert row[:pl] == tok.encode(r["prompt"]) and row[pl:] == tok.encode(r["answer"]) + [tok.eos_token_id]
         assert tok.decode(row[pl:-1]) == r["answer"]
+
+
+SHAREDKV = ROOT / "checkpoints" / "lab-hops-sharedkv"
+
+
+def test_sharedkv_checkpoint_serves_the_shared_layout():
+    """checkpoints/lab-hops-sharedkv (lab-hops adapted with shared_kv.py --rows) loads with the shared
+    layout from its config and, on 64 held-out items through the engine, keeps >= 90% exact match at
+    its threshold under shared and under last_exited (the original scores 0% under shared)."""
+    from infer import LLM
+    from eval.lab import run
+    assert (SHAREDKV / "model.safetensors").stat().st_size < 1e6
+    recs = generate(HELDOUT_SEED, 64)
+    llm = LLM(str(SHAREDKV), policy="cdb", max_batch_size=64)
+    assert llm.engine.config.kv_layout == "shared"
+    assert run(llm, recs)["acc"] >= 0.9
+    assert run(LLM(str(SHAREDKV), policy="cdb", max_batch_size=64, kv_layout="last_exited"), recs)["acc"] >= 0.9
