@@ -367,7 +367,8 @@ def check_model_arg(model: Path) -> None:
 
 
 def load_data(a, tokenizer_dir: Path, acc) -> Tokens | tuple[Rows, Rows]:
-    if a.rows is not None:
+    """The training data named by `a` (train/distill_gate.py shares it and has no --rows)."""
+    if getattr(a, "rows", None) is not None:
         if a.heldout_rows is None or a.dataset is not None or a.tokens is not None:
             raise UserError("--rows needs --heldout-rows and no --dataset / --tokens")
         return Rows.load(a.rows), Rows.load(a.heldout_rows)
