@@ -28,6 +28,7 @@ gate's sweep does not reach the depth are dropped and counted).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import time
@@ -161,6 +162,8 @@ def compare(model: str, seed: int, n: int, thresholds: list[float], depths: list
         return r, work_counts(llm.engine.trace, llm.engine.model.cfg, llm.engine.model.dtype.itemsize)
 
     for layout in kv_layouts:
+        llm = None
+        gc.collect()
         llm = llm_for(layout, policy="cb")
         lay = llm.config.kv_layout  # the resolved name (None: the checkpoint's)
         r, work = measured(llm)
@@ -169,6 +172,8 @@ def compare(model: str, seed: int, n: int, thresholds: list[float], depths: list
               flush=True)
         out["runs"][lay] = {}
         for name, kw in gates.items():
+            del llm
+            gc.collect()  # one engine's KV pool alive at a time
             llm = llm_for(layout, policy="cdb", **kw)
             pts = out["runs"][lay][name] = []
             for q in thresholds:
