@@ -11,7 +11,7 @@ from looplm import ExitPolicy
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 SHIPPED = ("huginn-demo", "ouro-demo", "ouro-demo-sharedkv")  # the README promises these
-LAB = ("lab-hops",)  # the lab's task model (tests/test_lab.py; its own character tokenizer)
+LAB = ("lab-hops", "lab-hops-sharedkv")  # the lab's task model and its shared-KV adaptation (tests/test_lab.py; its own character tokenizer)
 TEXTS = ["The history of the city", "x = 4; y = x + 3; z = y * 2; so z =", "In 1998 the company"]
 
 
