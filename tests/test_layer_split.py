@@ -170,3 +170,6 @@ def test_serve_loads_the_split_model(ckpt):
     sock.close()
     cfg = server.config.app.state.aeng.engine.model.cfg
     assert (cfg.n_prelude, cfg.n_core, cfg.n_coda) == (1, 2, 1)
+    from fastapi.testclient import TestClient
+    (m,) = TestClient(server.config.app).get("/v1/models").json()["data"]
+    assert m["layers"] == [1, 2, 1]  # /v1/models shows the split it serves

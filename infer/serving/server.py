@@ -298,7 +298,9 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm-cdb", "max_model_len": max_model_len,
                                             "vocab_size": cfg.vocab_size,
-                                            "r_max": cfg.r_max, "arch": cfg.arch, "engine": engine_cfg,
+                                            "r_max": cfg.r_max, "arch": cfg.arch,
+                                            # prelude-core-coda layer counts as served (--layer-split shows here)
+                                            "layers": [cfg.n_prelude, cfg.n_core, cfg.n_coda], "engine": engine_cfg,
                                             "device": device}]}
 
     @app.get("/health")
