@@ -122,10 +122,9 @@ def bootstrap(runs: dict[str, dict[str, list[dict]]], depths: list[float], iters
 
 def _point(r: dict, q: float | None, work: dict, cb: dict | None) -> dict:
     tps = r["output_tokens"] / r["seconds"]
-    p = {"threshold": q, "acc": r["acc"], "mean_exit_depth": r["mean_exit_depth"], "hard_over_easy": r["hard_over_easy"],
-         "tokens_per_s": tps, **ratios(work, cb["work"] if cb else None),
-         "speedup_vs_cb": tps / cb["tokens_per_s"] if cb else None, "work": work, "items": r["items"]}
-    return p
+    return {"threshold": q, "acc": r["acc"], "mean_exit_depth": r["mean_exit_depth"], "hard_over_easy": r["hard_over_easy"],
+            "tokens_per_s": tps, **ratios(work, cb["work"] if cb else None),
+            "speedup_vs_cb": tps / cb["tokens_per_s"] if cb else None, "work": work, "items": r["items"]}
 
 
 def compare(model: str, seed: int, n: int, thresholds: list[float], depths: list[float],

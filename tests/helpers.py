@@ -155,3 +155,27 @@ def fake_postprocess(sch, work, rng, token, finals=False, max_len=64):
         sch.postprocess(work, finished=fin)
     else:
         sch.postprocess(work)
+
+
+def wait_for_server(p, timeout: float = 60.0) -> tuple[str, str]:
+    """(URL, banner line) of a `python -m infer.serve --port 0` subprocess `p` (stdout piped, text),
+    once its /health answers 200: the banner names the port (after any library warnings)."""
+    import re
+    import time
+    import httpx
+    for _ in range(50):
+        line = p.stdout.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        if m or not line:
+            break
+    assert m, line
+    url = f"http://127.0.0.1:{m.group(1)}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url, line
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.1)

@@ -27,6 +27,7 @@ from looplm.errors import ParamError
 from looplm.policy import ExitPolicy
 from looplm.presets import paper_config
 from test_serve import ServerThread
+from helpers import wait_for_server
 
 ROOT = Path(__file__).resolve().parents[1]
 EXITS = ROOT / "docs" / "figures" / "ouro-demo-alpaca8.exits.json"  # recorded from ouro-demo (r_max 4)
@@ -259,22 +260,8 @@ def test_cli_banner_says_emulated():
     p = subprocess.Popen([sys.executable, "-m", "infer.serve", "--model", "huginn-3.5b", "--device", H100,
                           "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(50):
-            line = p.stdout.readline()
-            m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-            if m or not line:
-                break
-        assert m and "EMULATED H100" in line and "no weights" in line, line
-        url = f"http://127.0.0.1:{m.group(1)}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.1)
+        url, line = wait_for_server(p)
+        assert "EMULATED H100" in line and "no weights" in line, line
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60).json()
         assert r["usage"]["completion_tokens"] == 4
     finally:

@@ -21,6 +21,8 @@ from infer.serving.server import build_app
 from looplm import load_pretrained, load_tokenizer, save_pretrained, tiny_model
 from train.tokenizer import save_tokenizer, train_bpe
 
+from helpers import wait_for_server
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello there! " * 3
 NAME = "tiny-chat"
@@ -384,22 +386,7 @@ def test_cli_serves_and_drains_on_sigterm():
                           "--drain-timeout", "20", "--max-batch-size", "4"], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(50):  # the "serving ... on URL" line (after any library warnings)
-            line = p.stdout.readline()
-            m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-            if m or not line:
-                break
-        assert m, line
-        url = f"http://127.0.0.1:{m.group(1)}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.1)
+        url, _ = wait_for_server(p)  # after the "serving ... on URL" line
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         assert c.completions.create(model="ouro-tiny", prompt=[1, 2, 3], max_tokens=4).usage.completion_tokens == 4
         with pytest.raises(openai.BadRequestError, match="tokenizer"):

@@ -39,7 +39,7 @@ from looplm.policy import ExitPolicy
 from looplm.presets import init_weights
 from train.common import History, exit_depths, logits_of, run_loop, token_ce
 from train.pretrain import gate_optimizer, model_config
-from train.tasks.hops import ALPHABET, generate
+from train.tasks.hops import ALPHABET, add_generator_args, generate
 from train.tokenizer import SPECIAL_TOKENS, save_tokenizer
 
 UNK = "<unk>"
@@ -277,16 +277,12 @@ def write_tokens(argv: list[str]) -> None:
     """`python -m train.lab tokens --seed S --n N --out FILE.npy`: records of the task encoded back
     to back (prompt, answer, EOS), int32: token windows for train/shared_kv.py --tokens."""
     p = argparse.ArgumentParser(prog="python -m train.lab tokens", description=write_tokens.__doc__.split("\n")[0])
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--min-hops", type=int, default=1)
-    p.add_argument("--max-hops", type=int, default=4)
+    add_generator_args(p)
     p.add_argument("--mask-out", type=Path, help="also write the loss mask (1: an answer token or its EOS), for "
                    "shared_kv.py --loss-mask")
     a = p.parse_args(argv)
     ids, mask = [], []
-    for r in generate(a.seed, a.n, a.min_hops, a.max_hops):
+    for r in generate(a.seed, a.n, a.min_hops, a.max_hops, a.chains):
         prompt, answer = encode(r["prompt"]), encode(r["answer"]) + [0]
         ids += prompt + answer
         mask += [0] * len(prompt) + [1] * len(answer)
@@ -308,12 +304,7 @@ def write_rows(argv: list[str]) -> None:
     """`python -m train.lab rows --seed S --n N --out FILE.npz`: one record per row (prompt, answer,
     EOS; the prompt's length per row) for train/shared_kv.py --rows / --heldout-rows."""
     p = argparse.ArgumentParser(prog="python -m train.lab rows", description=write_rows.__doc__.split("\n")[0])
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--min-hops", type=int, default=1)
-    p.add_argument("--max-hops", type=int, default=4)
-    p.add_argument("--chains", type=int, default=3)
+    add_generator_args(p)
     a = p.parse_args(argv)
     rows = record_rows(generate(a.seed, a.n, a.min_hops, a.max_hops, a.chains))
     rows.meta = {"generator": "train.tasks.hops", "seed": a.seed, "n": a.n, "min_hops": a.min_hops,

@@ -72,14 +72,20 @@ def generate(seed: int | list[int], n: int, min_hops: int = 1, max_hops: int = 4
     return [make_record(rng, levels[i % len(levels)], chains) for i in range(n)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_generator_args(p: argparse.ArgumentParser) -> None:
+    """The generator's flags (--seed, --n, --out, --min-hops, --max-hops, --chains), shared by the
+    commands that write its records (this one, train.lab tokens / rows)."""
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--min-hops", type=int, default=1)
     p.add_argument("--max-hops", type=int, default=4)
     p.add_argument("--chains", type=int, default=3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_generator_args(p)
     a = p.parse_args(argv)
     recs = generate(a.seed, a.n, a.min_hops, a.max_hops, a.chains)
     a.out.parent.mkdir(parents=True, exist_ok=True)
