@@ -140,11 +140,21 @@ def arrive_or_abort(sch, seqs, rng, total, prompt, max_tokens, pol, ids):
             sch.finish(v, "abort")
 
 
-def fake_postprocess(sch, work, rng, token, finals=False, max_len=64):
+def fake_postprocess(sch, work, rng, token, finals=False, max_len=64, out=None):
     """Finish `work` as the engine would, without a model: a core step's exit scores drawn 0 / 1;
     an emitting stage appends `token(rng)` to each item (and each final chunk with `finals`) and
-    finishes those at max_tokens or `max_len` tokens."""
-    if work.stage is Stage.CORE:
+    finishes those at max_tokens or `max_len` tokens; a speculative stage appends the tokens of
+    `out` (ContentRunner's plan) one at a time under the same rules."""
+    if work.stage is Stage.SPEC:
+        fin = {}
+        for s in work.seqs:
+            for tok in out[s.seq_id]:
+                s.output_ids.append(tok)
+                if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= max_len:
+                    fin[s.seq_id] = "length"
+                    break
+        sch.postprocess(work, finished=fin)
+    elif work.stage is Stage.CORE:
         sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
     elif work.stage.emits:
         fin = {}
@@ -155,6 +165,84 @@ def fake_postprocess(sch, work, rng, token, finals=False, max_len=64):
         sch.postprocess(work, finished=fin)
     else:
         sch.postprocess(work)
+
+
+class ContentRunner:
+    """A cost-free runner that tracks what every KV row holds: the token prefix of the position
+    that wrote it. Each launch writes its items' rows, then checks that every row an item reads
+    (positions 0..its last) holds exactly its own prefix: a shared block that was overwritten,
+    evicted while held, or registered before it was written would fail here. Swaps copy rows."""
+
+    def __init__(self, bm, rng: random.Random | None = None):
+        self.bm, self.rows, self.host, self.rng = bm, {}, {}, rng or random.Random(0)
+
+    def _rows(self, s, end):
+        return [self.bm.row(s.blocks, p) for p in range(end)]
+
+    def run(self, work):
+        """A launch's writes and reads; a speculative stage (SPEC) returns its plan: per seq_id the
+        tokens the engine would emit (a random number of accepted random drafts, then one more)."""
+        if work.stage is Stage.SPEC:
+            return self._spec(work)
+        items = [(s, s.position, s.prompt_ids + s.output_ids) for s in work.seqs]
+        items += [(s, s.chunk[1] - 1, s.prompt_ids) for s in work.chunks]
+        for s, last, toks in items:  # writes: a decode item its own row, a chunk its positions
+            first = last if s in work.seqs else s.chunk[0]
+            for p in range(first, last + 1):
+                self.rows[self.bm.row(s.blocks, p)] = tuple(toks[:p + 1])
+        for s, last, toks in items:
+            got = [self.rows.get(r) for r in self._rows(s, last + 1)]
+            assert got == [tuple(toks[:p + 1]) for p in range(last + 1)], f"seq {s.seq_id} reads wrong rows"
+
+    def _spec(self, work):
+        plan = {}
+        for s, k in zip(work.seqs, work.spec):
+            p0 = s.position
+            drafts = [self.rng.randrange(3, 256) for _ in range(k - 1)]
+            toks = s.prompt_ids + s.output_ids + drafts  # the input of position p0 + j is toks[p0 + j]
+            for p in range(p0, p0 + k):
+                self.rows[self.bm.row(s.blocks, p)] = tuple(toks[:p + 1])
+            for p in range(p0, p0 + k):  # each chunk position reads positions 0..itself
+                got = [self.rows.get(r) for r in self._rows(s, p + 1)]
+                assert got == [tuple(toks[:q + 1]) for q in range(p + 1)], f"seq {s.seq_id} reads wrong rows"
+            plan[s.seq_id] = drafts[:self.rng.randint(0, k - 1)] + [self.rng.randrange(3, 256)]
+        return plan
+
+    def swap(self, ops):
+        for op in ops:
+            rows = [b * self.bm.block_size + i for b in op.blocks for i in range(self.bm.block_size)]
+            if op.kind == "out":
+                self.host[op.seq.seq_id] = [self.rows.get(r) for r in rows]
+            elif op.kind == "in":
+                for r, v in zip(rows, self.host.pop(op.seq.seq_id)):
+                    self.rows[r] = v
+            else:
+                self.host.pop(op.seq.seq_id, None)
+
+
+def check_blocks(sch, bm):
+    """Every block's reference count is the number of block tables holding it; held, free and
+    cached blocks partition the pool; the cache map is consistent; no slot is held twice."""
+    ch = sch.chunks
+    holders = sch._holders() + list(ch.partial) + [s for q in ch.at.values() for s in q]
+    assert len(holders) == len(set(map(id, holders)))
+    count = [0] * bm.num_blocks
+    for s in holders:
+        assert len(set(s.blocks)) == len(s.blocks)
+        for b in s.blocks:
+            count[b] += 1
+    assert count == bm.ref
+    held = {b for b in range(bm.num_blocks) if count[b]}
+    free, cached = set(bm.free_blocks), set(bm.cached)
+    assert len(free) == len(bm.free_blocks) and not (held & free or held & cached or free & cached)
+    assert len(held) + len(free) + len(cached) == bm.num_blocks
+    assert all(bm.hash_of.get(b) == h for h, b in bm.by_hash.items()) and len(bm.by_hash) == len(bm.hash_of)
+    assert cached <= set(bm.hash_of) and not free & set(bm.hash_of)
+    assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
+    for s in sch._holders():
+        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
+    for s in holders:  # Sequence.room follows every table change
+        assert s.room == len(s.blocks) * bm.block_size - len(s.prompt_ids)
 
 
 def wait_for_server(p, timeout: float = 60.0) -> tuple[str, str]:

@@ -14,12 +14,12 @@ from infer import EngineConfig, LLMEngine, SamplingParams
 from infer.engine.block_manager import BlockManager
 from infer.engine.reference import reference_generate
 from infer.engine.scheduler import Scheduler
-from infer.engine.sequence import Stage
 from infer.serving.async_engine import AsyncEngine
 from infer.serving.metrics import render_metrics
 from looplm import ExitPolicy, ParamError, tiny_model
 
-from helpers import MODES, THRESHOLD, arrive_or_abort, assert_same, engine_settings, exits_vary, fake_postprocess, \
+from helpers import MODES, THRESHOLD, ContentRunner, arrive_or_abort, assert_same, check_blocks, engine_settings, \
+    exits_vary, fake_postprocess, \
     grid, model, policy, run_staggered, stable_seed, triples
 
 BASE = dict(block_size=4, max_prefill_tokens=12, max_batch_size=8, exit_threshold=THRESHOLD)
@@ -242,66 +242,6 @@ def test_settings_defaults_refusals_and_metrics():
 
 
 # ------------------------------------------------------------------ scheduler alone (pure Python)
-class ContentRunner:
-    """A cost-free runner that tracks what every KV row holds: the token prefix of the position
-    that wrote it. Each launch writes its items' rows, then checks that every row an item reads
-    (positions 0..its last) holds exactly its own prefix: a shared block that was overwritten,
-    evicted while held, or registered before it was written would fail here. Swaps copy rows."""
-
-    def __init__(self, bm: BlockManager):
-        self.bm, self.rows, self.host = bm, {}, {}
-
-    def _rows(self, s, end):
-        return [self.bm.row(s.blocks, p) for p in range(end)]
-
-    def run(self, work):
-        items = [(s, s.position, s.prompt_ids + s.output_ids) for s in work.seqs]
-        items += [(s, s.chunk[1] - 1, s.prompt_ids) for s in work.chunks]
-        for s, last, toks in items:  # writes: a decode item its own row, a chunk its positions
-            first = last if s in work.seqs else s.chunk[0]
-            for p in range(first, last + 1):
-                self.rows[self.bm.row(s.blocks, p)] = tuple(toks[:p + 1])
-        for s, last, toks in items:
-            got = [self.rows.get(r) for r in self._rows(s, last + 1)]
-            assert got == [tuple(toks[:p + 1]) for p in range(last + 1)], f"seq {s.seq_id} reads wrong rows"
-
-    def swap(self, ops):
-        for op in ops:
-            rows = [b * self.bm.block_size + i for b in op.blocks for i in range(self.bm.block_size)]
-            if op.kind == "out":
-                self.host[op.seq.seq_id] = [self.rows.get(r) for r in rows]
-            elif op.kind == "in":
-                for r, v in zip(rows, self.host.pop(op.seq.seq_id)):
-                    self.rows[r] = v
-            else:
-                self.host.pop(op.seq.seq_id, None)
-
-
-def check_blocks(sch, bm):
-    """Every block's reference count is the number of block tables holding it; held, free and
-    cached blocks partition the pool; the cache map is consistent; no slot is held twice."""
-    ch = sch.chunks
-    holders = sch._holders() + list(ch.partial) + [s for q in ch.at.values() for s in q]
-    assert len(holders) == len(set(map(id, holders)))
-    count = [0] * bm.num_blocks
-    for s in holders:
-        assert len(set(s.blocks)) == len(s.blocks)
-        for b in s.blocks:
-            count[b] += 1
-    assert count == bm.ref
-    held = {b for b in range(bm.num_blocks) if count[b]}
-    free, cached = set(bm.free_blocks), set(bm.cached)
-    assert len(free) == len(bm.free_blocks) and not (held & free or held & cached or free & cached)
-    assert len(held) + len(free) + len(cached) == bm.num_blocks
-    assert all(bm.hash_of.get(b) == h for h, b in bm.by_hash.items()) and len(bm.by_hash) == len(bm.hash_of)
-    assert cached <= set(bm.hash_of) and not free & set(bm.hash_of)
-    assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
-    for s in sch._holders():
-        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
-    for s in holders:  # Sequence.room follows every table change
-        assert s.room == len(s.blocks) * bm.block_size - len(s.prompt_ids)
-
-
 # (policy, refill, pipelined lookahead, max batch, reserve_kv) per seed
 SCHED = [("cb", False, False, 8, False), ("cdb", False, True, 8, False), ("cdb", True, True, 8, False),
          ("cdb", True, False, 6, False), ("cb", False, False, 3, False), ("cdb", True, False, 8, True)]

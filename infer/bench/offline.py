@@ -69,7 +69,7 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     exit trackers there)."""
     eng.trace = []
     eng.reset_prefix_cache()  # each pass starts cold: only sharing inside the request list counts
-    m0 = eng.metrics()
+    m0, sp0 = eng.metrics(), eng.speculative_metrics()
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
     if prepare is not None:
@@ -93,7 +93,7 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     if bad:
         raise RuntimeError(f"{mode['name']}: requests {bad[:5]} produced a different number of tokens than asked")
     return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace, prefix_cache(eng.metrics(), m0),
-                    work_counts(eng.trace, eng.model.cfg, eng.model.dtype.itemsize))
+                    work_counts(eng.trace, eng.model.cfg, eng.model.dtype.itemsize), eng.speculative_metrics(sp0))
 
 
 def prefix_cache(after: dict, before: dict | None = None) -> dict:
@@ -110,9 +110,10 @@ def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, 
 
 
 def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
-             prefix_cache: dict | None = None, work: dict | None = None) -> dict:
+             prefix_cache: dict | None = None, work: dict | None = None, speculative: dict | None = None) -> dict:
     """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
-    `config` is the engine's resolved config, `work` the run's exact work counts (work.py)."""
+    `config` is the engine's resolved config, `work` the run's exact work counts (work.py),
+    `speculative` its self-speculation counters (LLMEngine.speculative_metrics)."""
     stages: dict[str, dict] = {}
     for r in trace:
         s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0, "score_reads": 0})
@@ -136,7 +137,8 @@ def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: Engine
             "prefill_seconds": pre["seconds"], "prefill": {**pre, "share": pre["seconds"] / traced if traced else None},
             "traced_seconds": traced,
             "steps": len(trace), "stages": stages, "trace": trace if keep_trace else None,
-            "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache, "work": work}
+            "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache, "work": work,
+            "speculative": speculative}
 
 
 def prefill_breakdown(trace: list[dict]) -> dict:

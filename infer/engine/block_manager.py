@@ -92,6 +92,15 @@ class BlockManager:
             blocks.append(self._take())
         return True
 
+    def shrink(self, blocks: list[int], tokens: int) -> None:
+        """Cut the block table `blocks` in place to the blocks of `tokens` rows, freeing the rest
+        (speculative decoding's rollback: the blocks of rejected draft positions)."""
+        n = self.blocks_for(tokens)
+        if len(blocks) > n:
+            tail = blocks[n:]
+            del blocks[n:]
+            self.free(tail, -1)
+
     def _take(self) -> int:
         if self.free_blocks:
             b = self.free_blocks.popleft()

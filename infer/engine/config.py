@@ -19,7 +19,7 @@ import torch
 from kv_layouts import DEFAULT_LAYOUT, LAYOUT_NAMES, layout_class
 from looplm.config import CRITERIA, LoopConfig
 from looplm.errors import ParamError
-from looplm.policy import ExitPolicy
+from looplm.policy import OUTPUT_CRITERIA, ExitPolicy
 
 POLICIES = ("cb", "cdb")
 CPU_KV_MEMORY = 512 * 2**20  # bytes of KV pool + state slots on a CPU when no pool size is given
@@ -76,6 +76,15 @@ class EngineConfig:
     cuda_graphs: bool | None = _f(None, "CUDA graphs for decode stages; default: on for CUDA devices")
     pipeline: bool | None = _f(None, "lookahead pipeline (launch step t before reading t-1's scores); default: "
                                      "on for CUDA with lookahead")
+    speculative_tokens: int = _f(0, "self-speculative decoding: verify chunks of k positions (the current token and "
+                                    "k-1 tokens drafted at draft_depth loops) in one depth-major pass; greedy "
+                                    "requests only, exact; 0 = off (refused with shared, first_then_shared and the "
+                                    "kl / entropy_diff criteria)")
+    draft_depth: int | None = _f(None, "speculation: the loop steps a draft token runs at most (the policy's own exit "
+                                       "if earlier); below r_max; default: r_min (at least 1, at most r_max - 1)")
+    speculative_max_batch: int = _f(8, "speculation runs only while at most this many sequences decode (and no "
+                                       "prompt waits): with a full batch the device is busy anyway, and a "
+                                       "rejected draft is wasted work")
     seed: int = _f(0, "seeds the generators of requests that bring none")
     trace: bool = _f(False, "record every step (stage, batch, context, seconds) in engine.trace")
 
@@ -90,7 +99,8 @@ class EngineConfig:
             raise ParamError("prefill", f"unknown prefill {self.prefill!r}; supported: {PREFILL_MODES}")
         check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
         check_prefix_caching(self.kv_layout, self.enable_prefix_caching, self.prefill)
-        for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "block_size"):
+        check_speculation(self.kv_layout, self.speculative_tokens, self.draft_depth)
+        for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "block_size", "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ParamError(name, f"{name} must be an integer >= 1, got {v!r}")
@@ -141,10 +151,20 @@ class EngineConfig:
                                               f"of {cfg.max_position} tokens")
         if self.cuda_graphs and not on_cuda:
             raise ParamError("cuda_graphs", f"cuda_graphs=True needs a CUDA device, not {device}")
-        no_pool = self.kv_cache_tokens is None and self.kv_cache_bytes is None
         full = self.full_depth or self.policy == "cb" or layout_class(layout).disables_exits
+        draft = self.draft_depth or max(1, min(pol.r_min, cfg.r_max - 1))
+        if self.speculative_tokens:
+            if not full and pol.criterion in OUTPUT_CRITERIA:
+                raise ParamError("speculative_tokens", f"speculative_tokens is not exact with the {pol.criterion} "
+                                                       "criterion: its per-step score runs the coda, which reads "
+                                                       "earlier positions' final coda K/V that a depth-major "
+                                                       "verification has not computed yet")
+            if draft >= cfg.r_max:
+                raise ParamError("draft_depth", f"draft_depth {draft} must be below the model's r_max {cfg.r_max} "
+                                                "(a draft at full depth is the verifier itself)")
+        no_pool = self.kv_cache_tokens is None and self.kv_cache_bytes is None
         return dataclasses.replace(
-            self, kv_layout=layout, exit_criterion=pol.criterion, exit_threshold=pol.threshold, r_min=pol.r_min,
+            self, kv_layout=layout, draft_depth=draft, exit_criterion=pol.criterion, exit_threshold=pol.threshold, r_min=pol.r_min,
             lookahead=pol.lookahead, full_depth=full,
             max_model_len=self.max_model_len or cfg.max_position,
             chunked_prefill=_default(self.chunked_prefill, depth_exact and self.prefill == "mixed"),
@@ -200,6 +220,19 @@ def check_prefix_caching(kv_layout: str | None, enable: bool | None, prefill: st
     if enable and prefill != "mixed":
         raise ParamError("enable_prefix_caching", "enable_prefix_caching needs prefill='mixed' (the separate prefill "
                                                   "stage runs whole prompts from position 0)")
+
+
+def check_speculation(kv_layout: str | None, k: int, draft_depth: int | None) -> None:
+    if not isinstance(k, int) or k < 0 or k == 1:
+        raise ParamError("speculative_tokens", f"speculative_tokens must be 0 (off) or an integer >= 2 (positions "
+                                               f"verified per chunk), got {k!r}")
+    if draft_depth is not None and (not isinstance(draft_depth, int) or draft_depth < 1):
+        raise ParamError("draft_depth", f"draft_depth must be an integer >= 1, got {draft_depth!r}")
+    if k and kv_layout is not None and not layout_class(kv_layout).depth_slots_exact:
+        raise ParamError("speculative_tokens", f"speculative_tokens is not exact with kv_layout={kv_layout!r}: a "
+                                               "decoding token reads earlier positions at their final loop step in "
+                                               "the depth slot that loop steps share, a depth-major verification "
+                                               "at the current one")
 
 
 def _kv_layout_arg(name: str) -> str:

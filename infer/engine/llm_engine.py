@@ -47,6 +47,18 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def speculative_rates(sp: dict) -> dict:
+    """Speculation counters with the rates added: the acceptance rate (accepted / drafted tokens,
+    vLLM's; drafts after a rejected one count as not accepted), the draft acceptance probability
+    (accepted / (accepted + rejected): the chance that a draft whose predecessors were accepted is
+    accepted too, what the simulator's --acceptance draws), and the tokens per verification
+    (tokens emitted from chunks of more than one position / such chunks)."""
+    seen = sp["accepted"] + sp["rejected"]
+    return {**sp, "acceptance_rate": sp["accepted"] / sp["drafted"] if sp["drafted"] else 0.0,
+            "draft_accept_prob": sp["accepted"] / seen if seen else 0.0,
+            "tokens_per_verification": sp["verified_tokens"] / sp["verifications"] if sp["verifications"] else 0.0}
+
+
 class LLMEngine:
     def __init__(self, model: LoopedLM, config: EngineConfig | None = None, tokenizer=None, runner_cls=None):
         """`config` settings left at None come from the checkpoint (EngineConfig.resolve).
@@ -78,7 +90,9 @@ class LLMEngine:
         self.trace: list[dict] = []
         # score_reads: stages whose exit scores the host read back (core steps; the prelude under the
         # preloop criterion, which reads each depth once and no core step's scores)
-        self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}, "score_reads": {"core": 0, "prelude": 0}}
+        self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}, "score_reads": {"core": 0, "prelude": 0},
+                      "speculative": dict.fromkeys(("stages", "verifications", "drafted", "accepted", "rejected", "emitted",
+                                                    "verified_tokens", "draft_launches", "verify_launches"), 0)}
         # logits -> tokens, depths, log-probs, text, stop rules, finish (output.py)
         self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, self.eos_ids, c.max_model_len,
                                          cfg.r_max, c.seed, self.stats)
@@ -148,6 +162,8 @@ class LLMEngine:
         self._swap(self.scheduler.take_swaps())
         if work is None:
             return []
+        if work.stage is Stage.SPEC:
+            return self._speculative(work)
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
         out = self.runner.run(work)
         if work.stage in EMITS:
@@ -162,6 +178,34 @@ class LLMEngine:
         if work.stage not in EMITS:
             return []
         return work.seqs + work.finals if work.finals else work.seqs
+
+    def _speculative(self, work: Work) -> list[Sequence]:
+        """A speculative stage (speculative.py): draft + verify in the runner, then each sequence's
+        verified tokens through the output processor up to its first rejected draft."""
+        out = self.runner.run(work)
+        finished, counts = self.processor.accept_speculative(work.seqs, out)
+        self.scheduler.postprocess(work, finished=finished)
+        sp = self.stats["speculative"]
+        for name, n in counts.items():
+            sp[name] += n
+        for phase, n in out.launches.items():
+            sp[phase + "_launches"] += n
+        sp["stages"] += 1
+        reads = sum(r["score_reads"] for r in out.rows)
+        self.stats["score_reads"]["core"] += reads
+        calls = self.stats["stage_calls"]
+        calls["spec"] = calls.get("spec", 0) + 1
+        if self.config.trace:  # one row per launch it ran, counted by infer/bench/work.py as any other
+            self.trace += out.rows
+        return work.seqs
+
+    def speculative_metrics(self, since: dict | None = None) -> dict:
+        """Self-speculation counters (EngineConfig.speculative_tokens): speculative stages, chunks of
+        more than one position verified and the tokens they gave, tokens drafted / accepted /
+        emitted, draft and verify launches; and the two rates. `since`: an earlier result, whose
+        counts are subtracted (one benchmark pass on a reused engine). metrics() shows them as spec_*."""
+        sp = {k: v - (since or {}).get(k, 0) for k, v in self.stats["speculative"].items()}
+        return speculative_rates(sp)
 
     def _swap(self, ops: list) -> None:
         """The scheduler's preemption copies, before the stage: it may write into the blocks a
@@ -238,7 +282,8 @@ class LLMEngine:
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
                 "stage_calls": dict(self.stats["stage_calls"]),
                 "core_score_reads": self.stats["score_reads"]["core"],
-                "prelude_score_reads": self.stats["score_reads"]["prelude"], **self.memory_metrics()}
+                "prelude_score_reads": self.stats["score_reads"]["prelude"],
+                **{f"spec_{k}": v for k, v in self.speculative_metrics().items()}, **self.memory_metrics()}
 
     def memory_metrics(self) -> dict:
         """KV pool, preemption and prefix-cache counters (swap bytes: KV blocks + one state slot per

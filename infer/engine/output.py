@@ -25,6 +25,7 @@ from .sequence import Sequence, Stage
 
 if TYPE_CHECKING:
     from .runner import Emitted
+    from .speculative import SpecOut
 
 _step = attrgetter("step")
 
@@ -114,6 +115,41 @@ class OutputProcessor:
         if n:  # (summed in C, not in the loop above)
             self.stats["depth_sum"] += fused * n if fused else sum(map(_step, work.seqs))
         return finished
+
+    def accept_speculative(self, seqs: list[Sequence], out: SpecOut) -> tuple[dict[int, str], dict]:
+        """A speculative stage's outcome (speculative.py): each sequence's verified tokens in order,
+        through `process` (sampling, stop rules, log-probs as for any coda row), stopping a sequence
+        at its first rejected draft: position i+1's row counts only if its drafted input equals the
+        token just emitted from position i. Returns the finish reasons (by seq_id) and the counts of
+        this stage: drafted and accepted tokens, drafts rejected (the chunks that ended at one),
+        emitted tokens, verified chunks (chunks of more than one position) and the tokens they gave."""
+        start = [0]
+        for k in out.ks:
+            start.append(start[-1] + k)
+        finished: dict[int, str] = {}
+        counts = {"drafted": sum(k - 1 for k in out.ks), "accepted": 0, "emitted": 0,
+                  "verifications": sum(1 for k in out.ks if k > 1), "verified_tokens": 0, "rejected": 0}
+        alive = list(range(len(seqs)))
+        for i in range(max(out.ks)):
+            if not alive:
+                break
+            for b in alive:
+                seqs[b].step = out.depths[b][i]  # `process` reads a decode row's exit depth here
+            rows = out.logits[[start[b] + i for b in alive]]
+            finished.update(self.process(Work(Stage.CODA, [seqs[b] for b in alive]), (rows, None)))
+            counts["emitted"] += len(alive)
+            counts["verified_tokens"] += sum(1 for b in alive if out.ks[b] > 1)
+            nxt = []
+            for b in alive:
+                s = seqs[b]
+                if i + 1 < out.ks[b] and s.seq_id not in finished:
+                    if s.output_ids[-1] == out.drafts[b][i]:
+                        counts["accepted"] += 1
+                        nxt.append(b)
+                    else:
+                        counts["rejected"] += 1  # the chunk ends at this draft
+            alive = nxt
+        return finished, counts
 
     def _extras(self, seqs: list[Sequence], chosen: list[int], logits: torch.Tensor) -> None:
         """Teacher forcing (the row's token becomes the forced one) and log-probs of the rows whose

@@ -27,7 +27,7 @@ from kv_layouts import make_layout
 from looplm.exits import initial_aux, preloop_cdf, score_rule
 from looplm.model import LoopedLM
 
-from . import mixed, stages
+from . import mixed, speculative, stages
 from .batch_state import BatchState, next_pow2
 from .block_manager import BlockManager
 from .graphs import GraphCache
@@ -36,15 +36,18 @@ from .swap import swap_ops
 from .sequence import Sequence, Stage
 from .stages import TokenBatch
 
+SpecOut = speculative.SpecOut
+
 
 @runtime_checkable
 class Runner(Protocol):
     """What the engine calls on a runner: one stage per `run`. Returns the `Emitted` logits of a
     stage that emits tokens (prefill, coda, fused), the exit `Scores` of a core step, None for a
-    prelude. Under the preloop criterion the prelude returns each item's exit-depth CDF (`Scores`
+    prelude, a `SpecOut` for a speculative stage (only with EngineConfig.speculative_tokens).
+    Under the preloop criterion the prelude returns each item's exit-depth CDF (`Scores`
     of rows) and a core step None: no score is read during the loop."""
 
-    def run(self, work: Work) -> Emitted | Scores | None: ...
+    def run(self, work: Work) -> Emitted | Scores | SpecOut | None: ...
 
     def padded(self, n: int) -> int: ...
 
@@ -108,7 +111,7 @@ class ModelRunner:
         self._bodies = {Stage.PRELUDE: self._prelude_body, Stage.CORE: self._core_body, Stage.CODA: self._coda_body,
                         Stage.FUSED: self._fused_body}
         self._stages = {Stage.PREFILL: self._prefill, Stage.PRELUDE: self._prelude, Stage.CORE: self._core,
-                        Stage.CODA: self._coda, Stage.FUSED: self._fused}
+                        Stage.CODA: self._coda, Stage.FUSED: self._fused, Stage.SPEC: self._spec}
 
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(self._pad_cap, n)) if self.pad_pow2 else n
@@ -263,6 +266,16 @@ class ModelRunner:
 
     def _prefill(self, work: Work) -> Emitted:
         return self.prefill(work.seqs)
+
+    def _spec(self, work: Work) -> speculative.SpecOut:
+        """Draft and verify (speculative.py), eagerly on batches of its own; the per-slot metadata of
+        its sequences (positions moved several tokens on, block tables grown and cut back) is
+        rewritten whole at their next stage."""
+        out = speculative.speculate(self.model, self.layout, self.blocks.block_size, self.criterion, work.seqs,
+                                    work.spec, work.draft_depth)
+        for s in work.seqs:
+            self.batch_state.invalidate(s.slot)
+        return out
 
     def prefill(self, seqs: list[Sequence]) -> Emitted:
         """Whole prompts at full depth; returns the last position's logits [B, V] (and the prompt

@@ -26,6 +26,8 @@ class SamplingParams:
     exit_threshold: float | None = None
     r_min: int | None = None
     r_max: int | None = None
+    # self-speculative decoding (EngineConfig.speculative_tokens): False opts this request out
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +57,8 @@ class SamplingParams:
             raise bad("prompt_logprobs", f"must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if self.exit_threshold is not None and not isinstance(self.exit_threshold, (int, float)):
             raise bad("exit_threshold", f"must be a number, got {self.exit_threshold!r}")
+        if not isinstance(self.speculate, bool):
+            raise bad("speculate", f"must be true or false, got {self.speculate!r}")
         try:
             check_depths(self.r_min, self.r_max)
         except ParamError as e:

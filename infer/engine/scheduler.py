@@ -87,6 +87,9 @@ class Work:
     grown: list[Sequence] = field(default_factory=list)
     # prompts aborted while prefilling since the previous Work: the runner drops their chunk state
     released: list[Sequence] = field(default_factory=list)
+    # SPEC: the positions each sequence verifies (1: a plain decode of its token) and the draft's depth cap
+    spec: list[int] = field(default_factory=list)
+    draft_depth: int = 0
 
 
 class Scheduler:
@@ -167,7 +170,10 @@ class Scheduler:
     def schedule(self) -> Work | None:
         c = self.cfg
         self._resume()
-        if self.chunks is not None:
+        work = self._speculate() if c.speculative_tokens else None
+        if work is not None:
+            pass
+        elif self.chunks is not None:
             work = self._schedule_mixed()
         elif c.policy == "cb":
             work = self._prefill() or self._fused()
@@ -189,6 +195,47 @@ class Scheduler:
             if self.released:
                 work.released, self.released = self.released, []
         return work
+
+    def _speculate(self) -> Work | None:
+        """Self-speculation (speculative.py) when few sequences run: at most
+        `speculative_max_batch` hold memory, no prompt waits (a new request's first token comes
+        first), no prompt chunk is in flight and nothing is swapped out or stalled. Below that batch
+        the launches are latency-bound, so verifying k positions costs about what one does; a full
+        batch is already compute-bound and a rejected draft would be wasted work. Then the batch is
+        gathered at a token boundary (core steps, then the coda, as a no-refill cohort: a sequence
+        left mid-loop while others speculate stage after stage would starve) and the whole batch
+        runs one speculative stage. Greedy requests that did not opt out verify min(k, tokens left)
+        positions, within their blocks plus what the pool has free beyond the watermark
+        (speculation never preempts); the rest decode their one token in the same stage."""
+        c, q = self.cfg, self.prelude_q
+        if not q and not self.core_q and not self.coda_q or self.num_running > c.speculative_max_batch or \
+                self.waiting or self.swapped or self.stalled or (self.chunks is not None and self.chunks.held):
+            return None
+        if not any(s.params.speculate and not s.sampled and s.forced is None and s.max_out - len(s.output_ids) >= 2
+                   for s in (*q, *self.core_q, *self.coda_q)):
+            return None  # nothing to speculate: the policy's own schedule
+        if self.core_q:
+            return self._take(Stage.CORE)
+        if self.coda_q:
+            return self._take(Stage.CODA)
+        B, ks = self.blocks.block_size, []
+        spare = self.blocks.num_free - self.watermark  # blocks the chunks may take
+        for s in q:
+            n = 1
+            if s.params.speculate and not s.sampled and s.forced is None:
+                n = max(1, min(c.speculative_tokens, s.max_out - len(s.output_ids)))
+                p0 = s.num_tokens - 1
+                extra = self.blocks.blocks_for(p0 + n) - len(s.blocks)
+                if extra > spare:
+                    n, extra = min(n, len(s.blocks) * B - p0), 0  # the rows its own blocks hold (>= 1: p0's)
+                if extra > 0:
+                    self.blocks.grow(s.blocks, p0 + n)
+                    s.fit_blocks(B)
+                    spare -= extra
+            ks.append(n)
+        if max(ks) < 2:  # nothing to speculate (the blocks grown are none: every n is 1)
+            return None
+        return Work(Stage.SPEC, list(q), spec=ks, draft_depth=c.draft_depth)
 
     def _schedule_mixed(self) -> Work | None:
         """The same priorities with prompt chunks riding in the decode launches (module docstring)."""
@@ -293,9 +340,16 @@ class Scheduler:
         elif work.stage is Stage.CORE:
             self._after_core(seqs, scores)
         else:
-            src = self.coda_q if work.stage is Stage.CODA else self.prelude_q if work.stage is Stage.FUSED else None
+            src = self.coda_q if work.stage is Stage.CODA else \
+                self.prelude_q if work.stage in (Stage.FUSED, Stage.SPEC) else None
             if src is not None:
                 self._drop(seqs, src)
+            if work.stage is Stage.SPEC:  # rollback: the blocks past the last accepted position go back
+                B = self.blocks.block_size
+                for s in seqs:
+                    if not finished or s.seq_id not in finished:
+                        self.blocks.shrink(s.blocks, s.num_tokens)
+                        s.fit_blocks(B)
             going = seqs + done if done else seqs  # done: chunks that completed their prompt (first token sampled)
             if finished:
                 for s in going:

@@ -1,7 +1,7 @@
 """A request's bookkeeping as it moves through the four queues, and the stage enum. Pure Python.
 
 `Stage` names both what the engine runs in one step (a prefill, a prelude, one core step, a coda,
-or CB's fused iteration) and where a running sequence waits: `seq.stage` is the stage it takes
+CB's fused iteration, or a speculative draft-and-verify of a few sequences) and where a running sequence waits: `seq.stage` is the stage it takes
 part in next (PREFILL = the waiting queue; CB's fused iteration consumes the PRELUDE queue).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ class Stage(enum.Enum):
     CORE = "core"  # one loop step for items at mixed depths; queue 3
     CODA = "coda"  # exited tokens -> logits; queue 4
     FUSED = "fused"  # CB: prelude + r_max core steps + coda in one launch
+    SPEC = "spec"  # self-speculation: draft + verify chunks of positions (speculative.py); consumes queue 2
 
     # Members are singletons compared by identity, so identity is a valid hash; Enum's own
     # __hash__ is a Python-level hash(name), paid at every Stage-keyed lookup of every stage.

@@ -161,9 +161,10 @@ def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
             raise bad(name, f"'{name}' must be in [1, {r_max}] (the model's r_max), got {v}")
     if r_lo is not None and r_hi is not None and r_lo > r_hi:
         raise bad("r_min", f"'r_min' ({r_lo}) exceeds 'r_max' ({r_hi})")
+    speculate = get(body, "speculate", "boolean", True)  # opt out of the engine's self-speculation
     sampling = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
                     seed=seed, stop=stop, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos,
-                    exit_threshold=None if thr is None else float(thr), r_min=r_lo, r_max=r_hi)
+                    exit_threshold=None if thr is None else float(thr), r_min=r_lo, r_max=r_hi, speculate=speculate)
     return sampling, max_tokens is not None
 
 

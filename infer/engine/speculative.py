@@ -1,0 +1,174 @@
+"""Exact self-speculative decoding: draft with the same weights at a shallow loop depth, verify at
+the serving exit policy in one depth-major pass, keep what the verifier would have produced.
+
+Why it is exact (depth-indexed KV layouts only). The state of (position p, loop step s) depends on
+the step-s K/V of positions <= p and on (p, s-1); a position's exit decision depends only on its
+own states. So a chunk of positions that runs depth-major (every live position's step s in one
+launch, before any position's step s+1; a position that exits has its later depth slots filled
+with its exit-step K/V at once, before a later position reads them) computes, for every position
+whose input token is the true one, exactly what token-by-token decoding computes. The chunk is the
+current token (its input is known) and k-1 drafted tokens after it:
+
+1. draft, one round per chunk position: prelude, the policy's core steps capped at `draft_depth`
+   (a position whose policy exits at d <= draft_depth is already final: filled, done), then a coda
+   on the capped state whose argmax is the next position's input (the draft's guess);
+2. verify: the positions still in the loop continue from step draft_depth+1, one launch per loop
+   step, each to its own exit (the draft's shallow slots are reused, not recomputed); then one
+   coda launch over every chunk position at its final state (coda K/V written before it is read,
+   causally, as in the depth-major prefill);
+3. accept (engine side, OutputProcessor.accept_speculative): position i's token is the verifier's; the next position counts
+   only if its drafted input equals that token. The first mismatch ends the chunk; the rows of the
+   rejected positions are garbage that the next real decode of those positions overwrites (every
+   depth slot of a decoded position is written or filled before anything reads it), and the
+   scheduler gives their blocks back (rollback).
+
+Not exact, hence refused (EngineConfig): a layout where loop steps share a depth slot (`shared`,
+`first_then_shared`: a decoding token reads earlier positions at their FINAL step, a depth-major
+pass at the current one) and the output criteria (kl, entropy_diff: their per-step score runs the
+coda, which reads earlier positions' final coda K/V that the pass has not computed yet).
+Pure torch on the runner's layout; the per-item Python is small because speculation only runs
+when few sequences decode (Scheduler._speculate).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from looplm.exits import initial_aux, preloop_cdf, score_rule
+from looplm.model import LoopedLM
+from looplm.policy import ExitTracker
+
+from . import stages
+from .sequence import Sequence
+from .stages import TokenBatch
+
+if TYPE_CHECKING:
+    from kv_layouts import KVLayout
+
+
+class SpecOut(NamedTuple):
+    """What a speculative stage returns: the verifier's logits [sum(ks), V] of every chunk position
+    (sequence-major), and per sequence the drafted tokens (the inputs of chunk positions 1..k-1)
+    and each position's exit depth; the launches it ran (draft / verify counts, and one trace row
+    per launch in the format of LLMEngine._record, `phase` added: infer/bench/work.py counts them)."""
+    logits: torch.Tensor
+    ks: list[int]
+    drafts: list[list[int]]
+    depths: list[list[int]]
+    launches: dict[str, int]
+    rows: list[dict]
+
+
+@torch.inference_mode()
+def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str, seqs: list[Sequence],
+              ks: list[int], draft_depth: int) -> SpecOut:
+    """Draft and verify chunks of `ks[b]` positions after each sequence's last token (a chunk of 1
+    is a plain decode of that token). Each sequence's block table covers every chunk position."""
+    cfg, dev = model.cfg, model.device
+    rule = score_rule(criterion, cfg)
+    B = block_size
+    owner, pos, first = [], [], []
+    seq_rows = []  # per sequence: the KV rows of positions 0..p0+k-1
+    for b, (s, k) in enumerate(zip(seqs, ks)):
+        p0 = s.num_tokens - 1
+        first.append(len(pos))
+        owner += [b] * k
+        pos += range(p0, p0 + k)
+        tbl = torch.tensor(s.blocks, dtype=torch.long)
+        seq_rows.append((tbl[:, None] * B + torch.arange(B)).view(-1)[:p0 + k])
+    M = len(pos)
+    rows = torch.stack([seq_rows[b][p] for b, p in zip(owner, pos)])
+    state = torch.zeros(M, cfg.hidden_size, dtype=model.dtype, device=dev)
+    inj = torch.zeros_like(state) if cfg.arch == "huginn" else None
+    aux = initial_aux(rule, M, cfg.vocab_size, dev)
+    trackers = [ExitTracker(seqs[b].policy) for b in owner]
+    steps = [0] * M
+    done = [False] * M
+    drafts: list[list[int]] = [[] for _ in seqs]
+    launches = {"draft": 0, "verify": 0}
+    trace: list[dict] = []
+    t0 = [time.perf_counter()]
+
+    def launched(stage: str, idx: list[int], phase: str) -> None:
+        """Count a launch over the items `idx` and add its trace row (seconds since the last one:
+        a core step's score read waits for the device, so on CUDA these are close to device time)."""
+        now = time.perf_counter()
+        launches[phase] += 1
+        n = len(idx)
+        trace.append({"stage": stage, "batch": n, "padded": n, "tokens": n, "context": sum(pos[i] + 1 for i in idx),
+                      "prompt_tokens": 0, "chunks": 0, "context_pairs": 0, "prompt_pairs": 0, "finals": 0,
+                      "r_max": cfg.r_max, "phase": phase, "seconds": now - t0[0],
+                      "score_reads": int(stage == "core" and criterion != "preloop")})
+        t0[0] = now
+
+    def batch(idx: list[int], ids: list[int] | None = None, step: int = 1) -> TokenBatch:
+        L = max(pos[i] for i in idx) + 1
+        ctx = torch.full((len(idx), L), layout.scratch_row, dtype=torch.long)
+        for r, i in enumerate(idx):
+            ctx[r, :pos[i] + 1] = seq_rows[owner[i]][:pos[i] + 1]
+        t = lambda x: torch.as_tensor(x, dtype=torch.long).to(dev)  # noqa: E731
+        return TokenBatch(ids=t(ids if ids is not None else [0] * len(idx)), positions=t([pos[i] for i in idx]),
+                          rows=t(rows[idx]), steps=torch.full((len(idx),), step, dtype=torch.long, device=dev),
+                          ctx_rows=ctx.to(dev), ctx_len=t([pos[i] + 1 for i in idx]))
+
+    def core(idx: list[int], step: int, phase: str) -> None:
+        """One loop step for the items `idx` (all at `step`); exits are filled at once."""
+        ix = torch.tensor(idx, dtype=torch.long, device=dev)
+        new, scores, a = stages.core_step(model, layout, batch(idx, step=step), state[ix],
+                                          inj[ix] if inj is not None else None, criterion,
+                                          aux[ix] if aux is not None else None)
+        state[ix] = new
+        if a is not None:
+            aux[ix] = a
+        # preloop: every depth was fixed at the prelude, no score is read back during the loop
+        scores = scores.tolist() if criterion != "preloop" else [0.0] * len(idx)
+        launched("core", idx, phase)
+        out = []
+        for i, x in zip(idx, scores):
+            steps[i] = step
+            if trackers[i].after_step(step, x):
+                done[i] = True
+                out.append(i)
+        if out:
+            layout.on_exit(rows[out].to(dev), torch.tensor([steps[i] for i in out], dtype=torch.long, device=dev))
+
+    kmax = max(ks)
+    for j in range(kmax):  # draft round j: chunk position j of every sequence whose chunk has one
+        idx = [first[b] + j for b in range(len(seqs)) if j < ks[b]]
+        ids = [seqs[b].output_ids[-1] if j == 0 else drafts[b][j - 1] for b in range(len(seqs)) if j < ks[b]]
+        ix = torch.tensor(idx, dtype=torch.long, device=dev)
+        st, ij = stages.prelude(model, layout, batch(idx, ids))
+        state[ix] = st
+        if inj is not None:
+            inj[ix] = ij
+        cdfs = preloop_cdf(model, st, ij).tolist() if criterion == "preloop" else None
+        launched("prelude", idx, "draft")
+        if cdfs is not None:
+            for i, cdf in zip(idx, cdfs):
+                trackers[i].at_prelude(cdf)
+        for s in range(1, draft_depth + 1):
+            live = [i for i in idx if not done[i]]
+            if not live:
+                break
+            core(live, s, "draft")
+        guess = [i for i in idx if j < ks[owner[i]] - 1]  # positions whose next position has an input to guess
+        if guess:
+            g = torch.tensor(guess, dtype=torch.long, device=dev)
+            toks = stages.coda(model, layout, batch(guess), state[g]).argmax(-1).tolist()
+            launched("coda", guess, "draft")
+            for i, tok in zip(guess, toks):
+                drafts[owner[i]].append(tok)
+    while True:  # verify: the live positions, depth-major, each to its own exit
+        live = [i for i in range(M) if not done[i]]
+        if not live:
+            break
+        core(live, steps[live[0]] + 1, "verify")  # every live position is at the same step
+    everything = list(range(M))
+    logits = stages.coda(model, layout, batch(everything), state)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    launched("coda", everything, "verify")
+    depths = [[steps[first[b] + j] for j in range(k)] for b, k in enumerate(ks)]
+    return SpecOut(logits, list(ks), drafts, depths, launches, trace)
