@@ -2,6 +2,7 @@
 against the reference decoder in float64 for every policy x layout x batch size; the preloop run
 reads no exit score during the loop; checkpoint IO of the heads; train/distill_gate.py."""
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -159,6 +160,36 @@ def test_distill_losses():
     assert float(preloop_loss(lin, pre, h, None)["kl"].detach()) >= 0
 
 
+def test_distill_oracle_loss():
+    """--objective oracle: target 1 at step s iff the next-token loss at depth s+1 is within epsilon of
+    the loss at depth R; the loss is the masked BCE of the head's logit at step s against it."""
+    from train.distill_gate import oracle_loss, oracle_targets
+    # per-step losses [B=1, T=3, R=4]: regrets (depth s+1 vs 4) at s=1,2: token 0 (0.5, 0.05),
+    # token 1 (0.05, -0.2: deeper is worse), token 2 (0.25, exactly epsilon, and 0.5)
+    nll = torch.tensor([[[3.0, 2.5, 2.05, 2.0], [1.0, 1.05, 0.8, 1.0], [4.0, 3.25, 3.5, 3.0]]], dtype=torch.float64)
+    want = torch.tensor([[[0.0, 1.0], [1.0, 1.0], [1.0, 0.0]]], dtype=torch.float64)
+    assert torch.equal(oracle_targets(nll, 0.25), want)
+    assert torch.equal(oracle_targets(nll, 0.0), torch.tensor([[[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]], dtype=torch.float64))
+    # a head whose logit at step s is a known number through a 1-d feature: z = +-2 (agreeing with the
+    # target where feature 0 says so), BCE = log(1 + e^-2) where it agrees, log(1 + e^2) where it does not
+    feats = torch.zeros(4, 1, 3, 2, dtype=torch.float64)
+    agree = torch.tensor([[True, True], [True, False], [False, True]])  # [T, s]
+    feats[:2, 0, :, 0] = (torch.where(agree, 2.0, -2.0) * (2 * want[0] - 1)).T.to(torch.float64)
+    head = torch.nn.Linear(2, 1).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0]]))
+        head.bias.zero_()
+    good, bad = math.log1p(math.exp(-2)), math.log1p(math.exp(2))
+    out = oracle_loss(head, feats, nll, None, 0.25)
+    assert abs(float(out["bce"].detach()) - (4 * good + 2 * bad) / 6) < 1e-12 and out["loss"] is out["bce"]
+    assert abs(float(out["exit_frac"].detach()) - 4 / 6) < 1e-12
+    mask = torch.tensor([[True, False, True]])  # token 1 does not count
+    out = oracle_loss(head, feats, nll, mask, 0.25)
+    assert abs(float(out["bce"].detach()) - (3 * good + bad) / 4) < 1e-12 and abs(float(out["exit_frac"].detach()) - 0.5) < 1e-12
+    out["loss"].backward()  # only the head trains: the gradient reaches it
+    assert head.weight.grad is not None and float(head.weight.grad.abs().sum()) > 0
+
+
 def test_distill_gate_script(tmp_path):
     """train/distill_gate.py on a tiny checkpoint (random tokens): writes the heads, the engine serves
     both criteria from the folder, and the distillation lowers the losses."""
@@ -187,6 +218,18 @@ def test_distill_gate_script(tmp_path):
         llm = LLM(str(tmp_path / "out"), exit_criterion=crit, exit_threshold=0.5, kv_cache_tokens=256)
         out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
         assert len(out.token_ids) == 6 and min(out.exit_depths[1:]) >= (2 if crit == "lookahead_gate" else 1)
+    # --objective oracle: the head alone, trained on the coda's per-step losses, lowers its loss
+    main(["--model", str(tmp_path / "ck"), "--output", str(tmp_path / "oracle"), "--gates", "lookahead",
+          "--objective", "oracle", "--epsilon", "0.05", "--steps", "30", "--batch", "4", "--ctx", "32", "--warmup", "5",
+          "--lr", "1e-2", "--log-every", "10", "--eval-windows", "8", "--tokens", str(tmp_path / "train.npy"),
+          "--heldout-tokens", str(tmp_path / "held.npy"), "--thresholds", "0.5"])
+    rep = json.loads((tmp_path / "oracle" / "distill_gate.json").read_text())
+    assert rep["objective"] == "oracle" and rep["epsilon"] == 0.05
+    hist = rep["history"]
+    assert hist[-1]["lookahead_loss"] < hist[0]["lookahead_loss"] and 0 <= hist[0]["lookahead_exit_frac"] <= 1
+    assert "mean_nll" in rep["after"]["thresholds"][0]["lookahead_head"]
+    served = load_pretrained(tmp_path / "oracle")
+    assert served.cfg.lookahead_gate and not served.cfg.preloop_gate
 
 
 def test_matched_depth_interpolation():

@@ -15,6 +15,13 @@ prefill: the loop state after every step and the prelude's output.
   depth 2 and the teacher's mass at depth 1 is folded onto depth 2 (a lookahead exit is >= 2).
   Served by the engine's `lookahead_gate` criterion: the score after step s, in the teacher's rule
   (ouro_gate: the CDF of the student's hazards; learned: the probability), decides "exit after s+1".
+  `--objective oracle` trains the same head on what serving is scored on instead of on the teacher:
+  target 1 at step s when the coda's next-token loss at depth s+1 is within `--epsilon` nats of the
+  loss at depth R (exiting after s+1 costs at most epsilon), BCE only, no CDF term; it is served
+  in the teacher's rule as above (ouro_gate: these probabilities read as hazards, their CDF). On
+  ouro-demo the teacher objective plateaus a little worse in bits/byte than the stock gate read
+  late at matched depth: imitating the teacher at s+1 copies its same-step decisions, which lose
+  there (docs/results.md, issue 25).
 - preloop gate (Linear(d -> R) on the prelude output; Ouro: the token embedding): softmax = the
   exit-depth pdf before the loop. Loss = KL(teacher pdf || student) + CDF MAE. Served by the
   `preloop` criterion: depth = the first d whose CDF >= q, clamped to [r_min, r_max].
@@ -55,21 +62,26 @@ GATES = {"both": ("lookahead", "preloop"), "lookahead": ("lookahead",), "preloop
 
 # ---------------------------------------------------------------- teacher and features
 @torch.no_grad()
-def features(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def features(model, ids: torch.Tensor, targets: torch.Tensor | None = None):
     """One full-depth causal pass over `ids` [B, T]: the stock gate's input after every step
-    [R, B, T, d], the teacher's hazards [B, T, R] and the prelude output [B, T, d]."""
+    [R, B, T, d], the teacher's hazards [B, T, R], the prelude output [B, T, d] and, with `targets`
+    [B, T] (the next tokens), the coda's next-token loss in nats after every step [B, T, R] (else None)."""
     R = model.cfg.r_max
     rope = model.rope(torch.arange(ids.shape[1], device=ids.device))
     state, inj = model.prelude(ids, rope, plain_attend_for)
     pre = inj if inj is not None else state
-    feats, logits = [], []
+    feats, logits, nll = [], [], []
     gate = model.stock_gate()
     for _ in range(R):
         state = model.core_step(state, inj, rope, plain_attend_for)
         f = model.gate_features(state)
         feats.append(f.float())
         logits.append(gate(f).squeeze(-1).float())
-    return torch.stack(feats), torch.sigmoid(torch.stack(logits, -1)), pre.float()
+        if targets is not None:
+            out = model.head(model.coda(state, rope, plain_attend_for)).float()
+            nll.append(F.cross_entropy(out.transpose(1, 2), targets, reduction="none"))
+    return (torch.stack(feats), torch.sigmoid(torch.stack(logits, -1)), pre.float(),
+            torch.stack(nll, -1) if targets is not None else None)
 
 
 def pdf_from_hazards(h: torch.Tensor, first: int = 0, total: int | None = None) -> torch.Tensor:
@@ -120,6 +132,23 @@ def lookahead_loss(head: nn.Linear, feats: torch.Tensor, hazards: torch.Tensor, 
     return {"loss": bce + cdf, "bce": bce, "cdf_mae": cdf}
 
 
+def oracle_targets(nll: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """[..., R-2] targets of the lookahead head from per-step next-token losses [..., R]: 1 at step s
+    (s = 1..R-2) where exiting after s+1 costs at most `epsilon` nats against full depth R."""
+    R = nll.shape[-1]
+    return (nll[..., 1:R - 1] - nll[..., R - 1:] <= epsilon).to(nll.dtype)
+
+
+def oracle_loss(head: nn.Linear, feats: torch.Tensor, nll: torch.Tensor, mask, epsilon: float) -> dict:
+    """`--objective oracle`: BCE(student logit at h_s, oracle_targets at s); `exit_frac` is the mean
+    target (how often one step past s is already good enough)."""
+    R = nll.shape[-1]
+    z = head(feats[:R - 2]).squeeze(-1).permute(1, 2, 0)  # [B, T, R-2]: student at steps 1..R-2
+    target = oracle_targets(nll, epsilon)
+    bce = masked_mean(F.binary_cross_entropy_with_logits(z, target, reduction="none"), mask)
+    return {"loss": bce, "bce": bce, "exit_frac": masked_mean(target, mask)}
+
+
 def preloop_loss(head: nn.Linear, pre: torch.Tensor, hazards: torch.Tensor, mask) -> dict:
     logp = F.log_softmax(head(pre), -1)
     teacher = pdf_from_hazards(hazards)
@@ -148,9 +177,10 @@ def step_scores_of(rule: str, hazards: torch.Tensor) -> torch.Tensor:
 def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thresholds: list[float]) -> dict:
     """Teacher vs student exit depths on held-out windows, per threshold."""
     R = model.cfg.r_max
-    feats, hazards, pre = features(model, windows[:, :-1])
+    feats, hazards, pre, nll = features(model, windows[:, :-1], windows[:, 1:])
     keep = (mask[:, 1:] if mask is not None else torch.ones_like(windows[:, 1:], dtype=torch.bool)).reshape(-1)
     hz = hazards.reshape(-1, R)[keep]
+    nll = nll.reshape(-1, R)[keep].tolist()
     teach = step_scores_of(teacher, hz).tolist()
     late = teach  # the stock gate read one step late: the same scores, lookahead=True
     out = {"tokens": len(teach)}
@@ -178,7 +208,9 @@ def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thr
             ref = td if name == "preloop" else folded  # lookahead signals: vs the teacher folded to >= 2
             row[name] = {"agreement": sum(a == b for a, b in zip(d, ref)) / len(d),
                          "mean_abs_diff": sum(abs(a - b) for a, b in zip(d, ref)) / len(d),
-                         "mean_depth": sum(d) / len(d)}
+                         "mean_depth": sum(d) / len(d),
+                         # the next-token loss at the exit depth (teacher-forced, full-depth features)
+                         "mean_nll": sum(x[k - 1] for x, k in zip(nll, d)) / len(d)}
         rows.append(row)
     out["thresholds"] = rows
     return out
@@ -190,6 +222,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, required=True, help="HF-format looped-LM folder with a stock exit gate")
     p.add_argument("--output", type=Path, default=None, help="default: --model (the heads are added to it)")
     p.add_argument("--gates", choices=sorted(GATES), default="both")
+    p.add_argument("--objective", choices=("teacher", "oracle"), default="teacher",
+                   help="the lookahead head's loss: teacher = BCE to the stock gate's hazard at step s+1 + exit-CDF "
+                        "MAE (the authors'); oracle = BCE to 1 where the coda's next-token loss at depth s+1 is "
+                        "within --epsilon nats of the loss at full depth (what serving is scored on, not the "
+                        "teacher; no CDF term). The preloop gate is distilled from the teacher either way")
+    p.add_argument("--epsilon", type=float, default=0.1,
+                   help="--objective oracle: nats of next-token loss an exit after step s+1 may cost against full "
+                        "depth and still count as 'exit' (larger: more early exits at a given threshold)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=8, help="windows per step and process")
     p.add_argument("--ctx", type=int, default=128)
@@ -272,9 +312,12 @@ def main(argv=None) -> None:
         ids = data.batch(a.batch, a.ctx, seed).to(acc.device)
         bmask = data.batch_mask(a.batch, a.ctx, seed)
         mask = None if bmask is None else bmask[:, 1:].to(acc.device)  # the targets' mask: the inputs are ids[:, :-1]
-        feats, hazards, pre = features(model, ids[:, :-1])
+        oracle = a.objective == "oracle" and "lookahead" in names
+        feats, hazards, pre, nll = features(model, ids[:, :-1], ids[:, 1:] if oracle else None)
         parts = {}
-        if "lookahead" in names:
+        if oracle:
+            parts["lookahead"] = oracle_loss(raw["lookahead"], feats, nll, mask, a.epsilon)
+        elif "lookahead" in names:
             parts["lookahead"] = lookahead_loss(raw["lookahead"], feats, hazards, mask)
         if "preloop" in names:
             parts["preloop"] = preloop_loss(raw["preloop"], pre, hazards, mask)
@@ -306,6 +349,7 @@ def main(argv=None) -> None:
                         preloop_gate=cfg.preloop_gate or "preloop" in names, gate_teacher=teacher)
     save_gates(model, out)
     summary = {"model": str(a.model), "output": str(out), "teacher": teacher, "gates": list(names),
+               "objective": a.objective, **({"epsilon": a.epsilon} if a.objective == "oracle" else {}),
                "steps": a.steps, "batch": a.batch, "ctx": a.ctx, "lr": a.lr, "seconds": round(time.time() - t0, 1),
                "world_size": acc.num_processes, "data": {k: v for k, v in data.meta.items() if k != "key"},
                "before": before, "after": after, "history": hist}
