@@ -145,9 +145,13 @@ class EmulatedRunner(SimRunner):
         self._late = 0.0  # how much the previous sleep overshot (taken off the next wait)
         self._row = torch.full((1, token_id + 1), -30.0)
         self._row[0, token_id] = 0.0
+        self.spec_token = token_id
 
-    def depth_of(self, s: Sequence) -> int:
-        return self.source(s.request_id, len(s.output_ids))
+    def depths_at(self, s: Sequence, i: int) -> int:
+        return self.source(s.request_id, i)
+
+    def _rows(self, n: int) -> torch.Tensor:  # (speculative stages: every position gives the emulated token)
+        return self._row.expand(n, -1)
 
     def run(self, work: Work):
         now = time.perf_counter()
@@ -155,7 +159,8 @@ class EmulatedRunner(SimRunner):
         before = self.clock
         out = super().run(work)
         predicted = self.clock - before
-        share = self.cost.host_seconds(work.stage, self.trace[-1]["padded"])
+        last = self.trace[-1]  # (a speculative stage: its last launch's host share)
+        share = self.cost.host_seconds(Stage(last["stage"]), last["padded"])
         deadline = now + predicted - min(host, share) - self._late
         left = deadline - time.perf_counter()
         if left > 0:

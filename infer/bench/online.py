@@ -251,6 +251,13 @@ def wait_idle(url: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def speculation_counters(url: str) -> dict[str, float]:
+    """The server's self-speculation counters (/metrics cdb_spec_*: LLMEngine.speculative_metrics),
+    since it started; {} when it reports none."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^cdb_spec_(\w+)\{[^}]*\} (\S+)", text, re.M)}
+
+
 # ----------------------------------------------------------------------------- sweep
 def sustained_rate(points: list[tuple[float, float | None, int]], limit: float) -> dict:
     """Highest swept rate whose normalized latency (and every lower rate's) is within `limit` with no
@@ -320,6 +327,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="server", help="name of the --base-url run in the outputs")
     p.add_argument("--policies", default="cb,cdb-norefill,cdb-refill", help=f"from {sorted(POLICY_ARGS)}")
     p.add_argument("--server-args", default="--threads 1", help="extra arguments for infer.serve (one string)")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="the servers' --speculative-tokens (self-speculative decoding; greedy requests only)")
     p.add_argument("--device", default=None, help="the servers' --device, e.g. emulated:h100 (a paper model or "
                    "config on an emulated GPU: no weights, real-time waits for the predicted stage times)")
     p.add_argument("--rates", default="1,2,4,8", help="requests/s, comma-separated ('inf': all at once)")
@@ -354,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
                "length_scale": a.length_scale, "burstiness": a.burstiness, "server_args": a.server_args,
                "repeats": a.repeats, "runs": {}}
     servers: dict[str, tuple[subprocess.Popen | None, str]] = {}
-    extra = a.server_args.split() + (["--device", a.device] if a.device else [])
+    extra = a.server_args.split() + (["--device", a.device] if a.device else []) + \
+        (["--speculative-tokens", str(a.speculative_tokens)] if a.speculative_tokens is not None else [])
     try:
         for label in labels:  # every server up at once (idle ones cost nothing): policies interleave below
             servers[label] = (start_server(a.model, label, extra, a.out / f"server_{label}.log")
@@ -396,6 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
                 k += 1
             for label, rs in reps.items():
                 summary["runs"][label].append(combine(rs))
+        # what self-speculation did on each server over the whole sweep (warm-up included)
+        summary["speculative"] = {lab: speculation_counters(url) for lab, (_, url) in servers.items()}
     finally:
         for proc, _ in servers.values():
             if proc is not None:

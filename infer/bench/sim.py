@@ -31,6 +31,7 @@ from infer.engine.runner import Emitted, next_pow2
 from infer.engine.sampling import SamplingParams
 from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
+from infer.engine.speculative import SpecOut
 from kv_layouts import DEFAULT_LAYOUT, layout_class
 from looplm.config import LoopConfig
 from looplm.layer_split import split_config, split_of
@@ -234,8 +235,12 @@ class SimRunner:
     charged in series with the stages: ModelRunner queues its copies on the compute stream."""
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
-                 cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, **_):
+                 cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, acceptance: float = 1.0,
+                 acceptance_seed: int = 0, **_):
         self.model, self.cfg, self.blocks = model, model.cfg, blocks
+        # speculation: each drafted token is accepted with probability `acceptance` (seeded draws)
+        self.acceptance, self._accept_rng = acceptance, random.Random(f"accept:{acceptance_seed}")
+        self.spec_token = 1  # the token every emitting row gives (`_rows`)
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
         self.cost, self.depths = cost, depths
         self.block_bytes = blocks.block_size * layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
@@ -246,6 +251,8 @@ class SimRunner:
         self.swap_seconds = 0.0
         self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
         self.trace: list[dict] = []
+        self.first_at: dict[int, float] = {}  # seq_id -> virtual time of its first / latest token
+        self.last_at: dict[int, float] = {}
 
     def swap(self, ops: list[SwapOp]) -> None:
         for op in ops:
@@ -262,8 +269,10 @@ class SimRunner:
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
 
-    def run(self, work: Work) -> Emitted | _Scores | None:
+    def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
         seqs, n = work.seqs, len(work.seqs)
+        if work.stage is Stage.SPEC:
+            return self._spec(work)
         if work.stage is Stage.PREFILL:
             lens = [len(s.prompt_ids) for s in seqs]
             c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
@@ -290,16 +299,81 @@ class SimRunner:
         if work.chunks:  # the launch's cost that the prompts add (weights are paid by the decode items anyway)
             row["prompt_seconds"] = t - self.cost(c.without_prompts()) if n else t
         self.trace.append(row)
+        if work.stage.emits:
+            self._stamp(seqs + work.finals if work.finals else seqs)
         if work.stage is Stage.PRELUDE:
             return None
         if work.stage is Stage.CORE:
             # the "learned" criterion's score is an exit probability (looplm/exits.py)
             return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs])
-        return Emitted(torch.tensor([[0.0, 1.0]]).expand(n + len(work.finals), 2))  # logits: every token is id 1
+        return Emitted(self._rows(n + len(work.finals)))
+
+    def _stamp(self, seqs: list[Sequence]) -> None:
+        """The virtual time of each sequence's first and latest token (the engine stamps wall time)."""
+        for s in seqs:
+            self.first_at.setdefault(s.seq_id, self.clock)
+            self.last_at[s.seq_id] = self.clock
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """Logits of n emitting rows: every token is id `spec_token` (1)."""
+        return torch.tensor([[0.0, 1.0]]).expand(n, 2)
+
+    def _spec(self, work: Work) -> SpecOut:
+        """A speculative stage (infer/engine/speculative.py) on the clock: the launches it runs, each
+        priced as a decode launch of its items (unpadded, the eager path's SDPA gather to the
+        longest context), and the outcome: every chunk position exits at its recorded depth, and
+        a draft whose predecessors were accepted is accepted with probability `acceptance`
+        (LLMEngine.speculative_metrics' draft_accept_prob), independently of its depth (in the
+        engine the draft of a position that exits within the draft depth is always right; the
+        rate here is an overall one, as measured on a checkpoint)."""
+        bs, fill, dd = self.blocks.block_size, self.fill_slots, work.draft_depth
+        items = []  # (seq index, chunk index, context length, exit depth)
+        for b, (s, k) in enumerate(zip(work.seqs, work.spec)):
+            p = s.policy
+            for j in range(k):
+                d = max(p.r_min, min(p.r_max, self.depths_at(s, len(s.output_ids) + j)))
+                items.append((b, j, s.num_tokens + j, d))
+        rows: list[dict] = []
+
+        def launch(stage: Stage, its: list, phase: str, filled: int = 0) -> None:
+            if not its:
+                return
+            ctx = [c for _, _, c, _ in its]
+            n = len(its)
+            c = Call(stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
+                     rows_paged=sum(-(-x // bs) * bs for x in ctx))
+            t = self.cost(c)
+            self.clock += t
+            rows.append({"stage": stage.value, "batch": n, "padded": n, "tokens": n, "context": c.context,
+                         "seconds": t, "prompt_tokens": 0, "context_pairs": 0, "prompt_pairs": 0, "finals": 0,
+                         "r_max": self.cfg.r_max, "phase": phase, "score_reads": int(stage is Stage.CORE)})
+
+        for j in range(max(work.spec)):  # draft rounds: prelude, core steps up to the draft depth, coda
+            rnd = [it for it in items if it[1] == j]
+            launch(Stage.PRELUDE, rnd, "draft")
+            for st in range(1, dd + 1):
+                launch(Stage.CORE, [it for it in rnd if it[3] >= st], "draft")
+            launch(Stage.CODA, [it for it in rnd if j < work.spec[it[0]] - 1], "draft")
+        for st in range(dd + 1, max(it[3] for it in items) + 1):  # verify: each live position to its exit
+            launch(Stage.CORE, [it for it in items if it[3] >= st], "verify")
+        launch(Stage.CODA, items, "verify", filled=sum(fill(self.cfg, d) for *_, d in items))
+        for r in rows:
+            self.trace.append(r)
+        self._stamp(work.seqs)
+        drafts, tok = [], self.spec_token
+        for k in work.spec:  # a rejected draft is any other id: acceptance stops there (later draws unused)
+            drafts.append([tok if self._accept_rng.random() < self.acceptance else tok + 1 for _ in range(k - 1)])
+        depths = [[d for b2, _, _, d in items if b2 == b] for b in range(len(work.seqs))]
+        launches = {ph: sum(r["phase"] == ph for r in rows) for ph in ("draft", "verify")}
+        return SpecOut(self._rows(len(items)), list(work.spec), drafts, depths, launches, rows)
+
+    def depths_at(self, s: Sequence, i: int) -> int:
+        """The recorded exit depth of the sequence's output token i."""
+        return self.depths[int(s.request_id)][i]
 
     def depth_of(self, s: Sequence) -> int:
         """The recorded exit depth of the token the sequence is looping on (requests are numbered)."""
-        return self.depths[int(s.request_id)][len(s.output_ids)]
+        return self.depths_at(s, len(s.output_ids))
 
     def _fires(self, s: Sequence) -> bool:
         """The exit signal after this step, for a token whose recorded exit depth is d (lookahead:
@@ -332,6 +406,71 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
     run = eng.runner
     return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
                     prefix_cache=prefix_cache(eng.metrics()), work=work_counts(run.trace, cfg, cost_bytes(cost)))
+
+
+def speculation_projection(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]],
+                           batches: list[int], acceptance: float, engine: dict, seed: int = 0) -> list[dict]:
+    """Self-speculation at each batch size (max_batch_size = B, and speculative_max_batch = B unless
+    the engine fields set it: speculate at that batch), against the same engine without it: output
+    tokens/s, the mean time per output token after the first (virtual clock), and their ratios."""
+    rows = []
+    for b in batches:
+        out = {}
+        for name, k in (("off", 0), ("on", engine["speculative_tokens"])):
+            kw = {**engine, **SIM_EXITS, "max_batch_size": b, "speculative_tokens": k}
+            kw.setdefault("speculative_max_batch", b)
+            kw["r_min"] = 2 if kw.get("lookahead") else 1
+            eng = LLMEngine(SimModel(cfg), EngineConfig(**kw), runner_cls=partial(
+                SimRunner, cost=cost, depths=depths, acceptance=acceptance, acceptance_seed=seed))
+            seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                    request_id=str(i)) for i, r in enumerate(requests)]
+            while eng.has_unfinished():
+                eng.step()
+            run = eng.runner
+            tpot = [(run.last_at[s.seq_id] - run.first_at[s.seq_id]) / (len(s.output_ids) - 1)
+                    for s in seqs if len(s.output_ids) > 1]
+            ntok = sum(len(s.output_ids) for s in seqs)
+            out[name] = {"seconds": run.clock, "output_tokens_per_s": ntok / run.clock,
+                         "mean_tpot_s": sum(tpot) / len(tpot), "speculative": eng.speculative_metrics(),
+                         "work": work_counts(run.trace, cfg, cost_bytes(cost))}
+        rows.append({"batch": b, **out, "throughput_ratio": out["on"]["output_tokens_per_s"] /
+                     out["off"]["output_tokens_per_s"], "tpot_speedup": out["off"]["mean_tpot_s"] / out["on"]["mean_tpot_s"]})
+    return rows
+
+
+def load_acceptance(arg: str) -> float:
+    """--acceptance: the probability that a draft whose predecessors were accepted is accepted too
+    (LLMEngine.speculative_metrics' `draft_accept_prob`), in [0, 1], or a JSON file that measured
+    it: its top-level `draft_accept_prob`, else that of every `speculative` block in it with drafts
+    pooled (accepted / (accepted + rejected): a bench JSON, or python -m infer.bench.speculative's)."""
+    try:
+        rate = float(arg)
+    except ValueError:
+        path = Path(arg)
+        if not path.exists():
+            raise SystemExit(f"--acceptance: {arg!r} is neither a rate in [0, 1] nor a file")
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "draft_accept_prob" in data:
+            rate = float(data["draft_accept_prob"])
+        else:
+            found = []
+
+            def walk(x):
+                if isinstance(x, dict):
+                    if "draft_accept_prob" in x and x.get("drafted"):
+                        found.append((x["accepted"], x["accepted"] + x["rejected"]))
+                    for v in x.values():
+                        walk(v)
+                elif isinstance(x, list):
+                    for v in x:
+                        walk(v)
+            walk(data)
+            if not found:
+                raise SystemExit(f"--acceptance: {arg} holds no draft_accept_prob with drafted tokens")
+            rate = sum(a for a, _ in found) / sum(d for _, d in found)
+    if not 0 <= rate <= 1:
+        raise SystemExit(f"--acceptance: the rate must be in [0, 1], got {rate}")
+    return rate
 
 
 def cost_bytes(cost) -> int:
@@ -438,6 +577,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replay-threshold", type=float, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--replay-r-min", type=int, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--acceptance", metavar="FILE_OR_RATE", default=None,
+                   help="with --speculative-tokens: the draft acceptance rate, or a JSON file that measured it "
+                        "(python -m infer.bench.speculative, or a bench JSON with speculation)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
+                   help="with --speculative-tokens: the batch sizes of the speculation projection")
     p.add_argument("--out", type=Path, default=Path("outputs/sim"))
     # the engine's own flags (a mode's policy / refill / K / full depth and the simulator's exit
     # criterion are set per mode); kv_cache_tokens: default what an 80 GB H100 holds beside the weights
@@ -478,6 +622,31 @@ def main(argv: list[str] | None = None) -> None:
     host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
     cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,
                         kv_layout=layout, host=host, attention=a.attention)
+    if a.speculative_tokens:
+        if a.acceptance is None:
+            p.error("--speculative-tokens needs --acceptance FILE_OR_RATE (the drafts' acceptance rate)")
+        rate = load_acceptance(a.acceptance)
+        out = []
+        for w in workloads:
+            reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx, vocab_size=cfg.vocab_size)
+            rows = speculation_projection(cfg, reqs, cost, depths_from_distribution(probs, reqs, a.seed), a.batches,
+                                          rate, engine, a.seed)
+            out.append({"workload": w, "rows": rows})
+            for r in rows:
+                print(f"{label} {w:9s} batch {r['batch']:3d}: tokens/s {r['off']['output_tokens_per_s']:9.1f} -> "
+                      f"{r['on']['output_tokens_per_s']:9.1f} ({r['throughput_ratio']:.2f}x), TPOT "
+                      f"{1e3 * r['off']['mean_tpot_s']:.2f} -> {1e3 * r['on']['mean_tpot_s']:.2f} ms "
+                      f"({r['tpot_speedup']:.2f}x), acceptance {r['on']['speculative']['acceptance_rate']:.2f}, "
+                      f"tokens/verification {r['on']['speculative']['tokens_per_verification']:.2f}")
+        path = a.out / f"sim_spec_{a.model}_k{a.speculative_tokens}_a{rate:.2f}.json"
+        path.write_text(json.dumps({"model": a.model, "acceptance": rate, "acceptance_arg": a.acceptance,
+                                    "engine": engine, "mean_exit_depth_assumed": mean, "num_requests": a.num_requests,
+                                    "simulated": True, "workloads": out,
+                                    "command": "python -m infer.sim " + " ".join(argv if argv is not None else
+                                                                                 __import__("sys").argv[1:])},
+                                   indent=1, default=float))
+        print(f"json: {path}")
+        return
     blocks = []
     for w in workloads:
         if replay is not None:
