@@ -198,8 +198,9 @@ class Scheduler:
 
     def _speculate(self) -> Work | None:
         """Self-speculation (speculative.py) when few sequences run: at most
-        `speculative_max_batch` hold memory, no prompt waits (a new request's first token comes
-        first), no prompt chunk is in flight and nothing is swapped out or stalled. Below that batch
+        `speculative_max_batch` hold memory, no prompt waits for a free slot (a new request's first
+        token comes first; with every slot taken it waits either way), no prompt chunk is in flight
+        and nothing is swapped out or stalled. Below that batch
         the launches are latency-bound, so verifying k positions costs about what one does; a full
         batch is already compute-bound and a rejected draft would be wasted work. Then the batch is
         gathered at a token boundary (core steps, then the coda, as a no-refill cohort: a sequence
@@ -208,8 +209,10 @@ class Scheduler:
         positions, within their blocks plus what the pool has free beyond the watermark
         (speculation never preempts); the rest decode their one token in the same stage."""
         c, q = self.cfg, self.prelude_q
-        if not q and not self.core_q and not self.coda_q or self.num_running > c.speculative_max_batch or \
-                self.waiting or self.swapped or self.stalled or (self.chunks is not None and self.chunks.held):
+        running = self.num_running
+        if not q and not self.core_q and not self.coda_q or running > c.speculative_max_batch or \
+                self.waiting and running < c.max_batch_size or self.swapped or self.stalled or \
+                (self.chunks is not None and self.chunks.held):
             return None
         if not any(s.params.speculate and not s.sampled and s.forced is None and s.max_out - len(s.output_ids) >= 2
                    for s in (*q, *self.core_q, *self.coda_q)):
