@@ -4,7 +4,9 @@ log-probs within 1e-10) equal the sequential reference decoder's in float64 for 
 prefix caching; the refusals; block accounting under rollback (the scheduler alone, with a runner
 that checks what every KV row holds); sampled and opted-out requests decode as without it."""
 import itertools
+import json
 import random
+import re
 
 import pytest
 
@@ -272,8 +274,6 @@ def test_simulator_models_draft_and_verify_launches(tmp_path):
     """The simulator's speculative stage: with every draft accepted a chunk gives k tokens (fewer
     only at a request's end), with none it gives one; its launches are in the trace (work counts),
     and the projection's acceptance can come from a measured JSON."""
-    import json
-
     from infer.bench import sim
     from infer.bench.workloads import make_requests
     from looplm.presets import paper_config
@@ -337,3 +337,53 @@ def test_distilled_gates_with_speculation_equal_reference(arch, criterion, thres
     assert spec(eng)["verifications"] > 0
     if criterion == "preloop":
         assert eng.metrics()["core_score_reads"] == 0
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """test_serve's tiny chat model folder (its tokenizer: the routes need text)."""
+    from looplm import load_tokenizer, save_pretrained
+    from test_serve import NAME, TEXT
+    from train.tokenizer import save_tokenizer, train_bpe
+    out = tmp_path_factory.mktemp("model") / NAME
+    save_tokenizer(train_bpe([TEXT] * 20, vocab_size=300), out)
+    save_pretrained(tiny_model("ouro-tiny", vocab_size=300), out, tokenizer=load_tokenizer(out))
+    return out
+
+
+def test_server_streams_the_same_tokens_with_speculation(chat_dir):
+    """The OpenAI routes over a speculating engine (completions streamed and not, chat, echo, a
+    request that opts out): the same text and tokens as a server without speculation; /metrics
+    shows the counters."""
+    import httpx
+
+    from test_serve import start
+    bodies = [("/v1/completions", {"prompt": "the cat", "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
+              ("/v1/completions", {"prompt": "a dog", "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+                                   "echo": True, "logprobs": 1}),
+              ("/v1/completions", {"prompt": "the cat", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                   "speculate": False}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                                        "temperature": 0})]
+    got = {}
+    for k in (0, 4):
+        srv, _ = start(chat_dir, speculative_tokens=k, kv_cache_tokens=512)
+        try:
+            outs = []
+            for path, body in bodies:
+                r = httpx.post(srv.url + path, json=body, timeout=60).json()
+                c = r["choices"][0]
+                outs.append((c.get("text") or c["message"]["content"], c.get("logprobs") and  # (float32 model)
+                             [round(x, 4) for x in c["logprobs"]["token_logprobs"][1:]]))
+                with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=60) as s:
+                    chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+                text = "".join((json.loads(x[6:])["choices"][0].get("text") or
+                                json.loads(x[6:])["choices"][0].get("delta", {}).get("content") or "") for x in chunks)
+                outs.append(text if "echo" not in body else None)
+            metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        finally:
+            srv.stop()
+        got[k] = outs
+        spec_count = re.search(r'^cdb_spec_verifications\{[^}]*\} (\S+)', metrics, re.M)
+        assert spec_count and (float(spec_count.group(1)) > 0) == bool(k), spec_count
+    assert got[0] == got[4]
