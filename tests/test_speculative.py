@@ -292,6 +292,12 @@ def test_simulator_models_draft_and_verify_launches(tmp_path):
     for r in lo:
         assert r["on"]["speculative"]["accepted"] == 0 and r["on"]["speculative"]["tokens_per_verification"] == 1.0
         assert r["tpot_speedup"] < 1.0  # drafts that are never accepted cost time
+    # the bench JSON's results carry each mode's speculation counters (simulated here: the same summary)
+    blk = sim.simulate(cfg, reqs[:3], cost, depths, [{"name": "cb", "policy": "cb"},
+                                                     {"name": "cdb", "policy": "cdb", "refill": True}],
+                       workload="sharegpt", speculative_tokens=2, kv_cache_tokens=200_000)
+    assert all(r["speculative"]["stages"] > 0 and r["speculative"]["tokens_per_verification"] >= 1
+               for r in blk["results"]), blk["results"]
     f = tmp_path / "m.json"
     f.write_text(json.dumps({"results": [{"speculative": {"drafted": 10, "accepted": 6, "rejected": 2,
                                                           "draft_accept_prob": 0.75}}]}))

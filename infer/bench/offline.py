@@ -177,7 +177,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "mean_exit_depth": d, "exit_depth_hist": r["exit_depth_hist"],
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
                "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
-               "prefix_cache": r.get("prefix_cache"), "work": r.get("work"),
+               "prefix_cache": r.get("prefix_cache"), "work": r.get("work"), "speculative": r.get("speculative"),
                "exit_depths_crc32": RP.depths_crc32(r["exit_depths"]),  # equal digests: equal per-token depths
                **work_ratios(r["work"], cb["work"] if cb else None),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
