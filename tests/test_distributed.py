@@ -82,11 +82,22 @@ def ray_tmp(monkeypatch):
 @pytest.fixture(scope="module")
 def replicas():
     """`python -m infer.serve --replicas 2` in its own session (SIGTERM reaches the driver only)."""
+    yield from serve_replicas(["--model", MODEL, "--replicas", "2", "--dtype", "float64"])
+
+
+@pytest.fixture(scope="module")
+def emulated_replicas():
+    """Two replicas of an emulated H100 serving Ouro-1.4B (no weights; the host side is real)."""
+    yield from serve_replicas(["--model", "ouro-1.4b", "--device", "emulated:h100", "--replicas", "2"])
+
+
+def serve_replicas(args: list[str]):
+    """Start `python -m infer.serve ARGS --port 0` with its own Ray; yield its URL; stop it, and check
+    that it exited cleanly and left no Ray process."""
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     log = Path(tmp) / "serve.log"
     env = {**os.environ, "RAY_TMPDIR": tmp, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "infer.serve", "--model", MODEL, "--replicas", "2", "--port", "0",
-           "--dtype", "float64"]
+    cmd = [sys.executable, "-m", "infer.serve", *args, "--port", "0"]
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = None, time.monotonic() + 180
@@ -156,6 +167,7 @@ async def complete(c: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
 
 
 async def many(url: str, max_tokens: int, streams: int = 0) -> list[dict]:
+    """Every PROMPT at once, the first `streams` streamed."""
     async with httpx.AsyncClient(timeout=180) as c:
         return await asyncio.gather(*(complete(c, url, p, max_tokens, stream=i < streams)
                                       for i, p in enumerate(PROMPTS)))
@@ -192,6 +204,22 @@ def test_aggregate_metrics_sums_counters_and_weights_depth():
     assert float(rows['cdb_kv_cache_usage_perc{model_name="m"}']) == pytest.approx(0.3)
     assert rows['cdb_request_success_total{model_name="m",finished_reason="stop"}'] == "2"
     assert got.count("# TYPE cdb_generation_tokens_total") == 1
+
+
+def test_replica_scaling_reads_cpu_per_part():
+    """infer/bench/replica_scaling.py's /proc accounting: a process tree, its CPU seconds, its parts."""
+    from infer.bench import replica_scaling as RS
+    child = subprocess.Popen([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() - t < 0.3: pass"])
+    try:
+        procs = RS.tree(os.getpid())
+        assert os.getpid() in procs and child.pid in procs and "python" in procs[child.pid]
+    finally:
+        child.wait()
+    assert RS.cpu_seconds(os.getpid()) > 0 and RS.cpu_seconds(2**22 + 7) == 0.0
+    assert RS.part_of(5, "ray::ServeReplica:looplm:engine", 1) == "replicas"
+    assert RS.part_of(1, "python -m infer.serve", 1) == "ingress" and RS.part_of(6, "raylet", 1) == "ray_other"
+    parts = RS.cpu_by_part(os.getpid())
+    assert set(parts) == {"ingress", "replicas", "ray_other", "client"} and parts["ingress"] > 0
 
 
 @pytest.mark.slow
@@ -292,6 +320,43 @@ def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     assert not any(r["headers"]["x-looplm-replica"].endswith(f":{dead}") for r in again)
     print(f"recovered {time.monotonic() - t_kill:.1f} s after the kill; {len(retried)} requests retried, "
           f"{len(cut)} streams cut")
+
+
+@pytest.mark.slow
+def test_emulated_replicas_serve_and_a_killed_one_loses_nothing(emulated_replicas):
+    """--replicas with --device emulated:h100 (issue 26): both replicas serve; killing one under load
+    loses no request that was not streaming from it, and every answered request has its tokens."""
+    url, n = emulated_replicas, 400
+    before = replica_pids()
+    assert len(before) == 2
+
+    async def run():
+        started, victim = asyncio.Event(), []
+
+        def on_head(headers):
+            if not victim:
+                victim.append(int(headers["x-looplm-replica"].rsplit(":", 1)[1]))
+                started.set()
+
+        async with httpx.AsyncClient(timeout=180) as c:
+            tasks = [asyncio.create_task(complete(c, url, p, n, stream=i % 4 == 0,
+                                                  on_head=on_head if i % 4 == 0 else None))
+                     for i, p in enumerate(PROMPTS)]
+            await asyncio.wait_for(started.wait(), 120)
+            pending = sum(not t.done() for t in tasks)
+            os.kill(victim[0], signal.SIGKILL)
+            return await asyncio.gather(*tasks), pending, victim[0]
+
+    got, pending, dead = asyncio.run(run())
+    assert dead in before and pending > 2, pending
+    assert [r["status"] for r in got] == [200] * 32, [r.get("error") for r in got if r["status"] != 200]
+    assert len({r["headers"]["x-looplm-replica"] for r in got}) == 2
+    for r in got:
+        if "stream_error" in r:  # only a stream under way on the killed replica may end early
+            assert r["headers"]["x-looplm-replica"].endswith(f":{dead}") and len(r["ids"]) < n
+        else:
+            assert len(r["ids"]) == n and all(1 <= d <= 4 for d in r["depths"][1:])
+    assert len({r["id"] for r in got}) == 32
 
 
 @pytest.mark.slow

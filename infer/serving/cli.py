@@ -10,6 +10,7 @@ finish for up to --drain-timeout seconds, abort the rest, exit.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import logging
 import os
 import sys
@@ -113,12 +114,10 @@ def make_server(a: argparse.Namespace, emulate=None):
 def main(argv: list[str] | None = None, emulate=None) -> None:
     """`emulate`: see make_engine."""
     a = parser().parse_args(argv)
-    if a.replicas is not None and a.device.startswith(EMULATED):
-        raise ParamError("replicas", "--replicas with an emulated device is not supported yet (issue 26, "
-                                     "deliverable 3)")
     if a.replicas is not None:  # Ray is imported on this path only
         from .replicas import main as replicas_main
-        return replicas_main(a)
+        # each replica builds its engine as this process would (an emulated device included)
+        return replicas_main(a, partial(make_engine, emulate=emulate))
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server, sock = make_server(a, emulate)
     if a.host not in ("127.0.0.1", "localhost", "::1"):

@@ -63,7 +63,9 @@ class MetricsBoard:
 class Replica:
     """One engine and the single-process app, on the device Ray gave this actor."""
 
-    async def __init__(self, a: argparse.Namespace, board) -> None:  # async: the engine thread needs this loop
+    async def __init__(self, a: argparse.Namespace, board, build=None) -> None:  # async: the engine thread needs this loop
+        """`build(a) -> LLMEngine`: how the single server builds its engine (cli.make_engine with
+        its emulated-device builder); None: the model from a checkpoint or preset."""
         import torch
 
         from infer.engine.config import engine_config_from_args
@@ -73,11 +75,15 @@ class Replica:
         from .async_engine import AsyncEngine
         from .server import build_app
 
-        if a.device == "cpu":
+        if a.device == "cpu" or a.device.startswith("emulated"):
             torch.set_num_threads(a.threads or 1)  # the share of cores Ray reserved (num_cpus)
-        model, tok = load_model(a.model, a.dtype, a.device, a.r_max, getattr(a, "load_format", "auto"),
-                                getattr(a, "layer_split", None))
-        self.aeng = AsyncEngine(LLMEngine(model, engine_config_from_args(a), tok), max_waiting=a.max_waiting)
+        if build is not None:
+            engine = build(a)
+        else:
+            model, tok = load_model(a.model, a.dtype, a.device, a.r_max, getattr(a, "load_format", "auto"),
+                                    getattr(a, "layer_split", None))
+            engine = LLMEngine(model, engine_config_from_args(a), tok)
+        self.aeng = AsyncEngine(engine, max_waiting=a.max_waiting)
         self.app = build_app(self.aeng, served_name(a), a.api_key, a.max_request_bytes,
                              echo_logprobs_depth=a.echo_logprobs_depth)
         self.aeng.start()
@@ -276,14 +282,18 @@ def aggregate_metrics(texts: list[str]) -> str:
 
 
 # ---------------------------------------------------------------- start / stop
-def start(a: argparse.Namespace):
-    """Connects to (or starts) Ray, deploys `a.replicas` engine replicas; returns (handle, board)."""
+def start(a: argparse.Namespace, build=None):
+    """Connects to (or starts) Ray, deploys `a.replicas` engine replicas (each engine from
+    `build(a)`, see Replica); returns (handle, board)."""
     from infer.engine.config import engine_config_from_args
 
     if a.replicas < 1:
         raise SystemExit(f"error: --replicas must be >= 1, got {a.replicas}")
     cuda = a.device.startswith("cuda")
-    opts = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": a.threads or 1}
+    # an emulated device is a clock: its replicas reserve no core of their own (their host work,
+    # what replica scaling measures, shares the machine's cores with the ingress and the client)
+    opts = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 0.01} if a.device.startswith("emulated") \
+        else {"num_cpus": a.threads or 1}
     if a.ray_address:
         ray.init(address=a.ray_address)
     else:  # a local cluster (all of this machine's cores and GPUs), no dashboard
@@ -305,7 +315,7 @@ def start(a: argparse.Namespace):
     dep = serve.deployment(Replica, name="engine", num_replicas=a.replicas, ray_actor_options=opts,
                            max_ongoing_requests=cfg.max_batch_size + a.max_waiting,
                            health_check_period_s=2, graceful_shutdown_timeout_s=a.drain_timeout)
-    handle = serve.run(dep.bind(a, board), name=APP, route_prefix=None)
+    handle = serve.run(dep.bind(a, board, build), name=APP, route_prefix=None)
     return handle, board
 
 
@@ -320,13 +330,13 @@ def stop(a: argparse.Namespace) -> None:
     ray.shutdown()
 
 
-def main(a: argparse.Namespace) -> None:
+def main(a: argparse.Namespace, build=None) -> None:
     import uvicorn
 
     from .server import bind, run
 
     try:
-        handle, board = start(a)
+        handle, board = start(a, build)
         sock = bind(a.host, a.port)
         app = build_ingress(handle, board, max_request_bytes=a.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.drain_timeout,
