@@ -393,3 +393,22 @@ def test_server_streams_the_same_tokens_with_speculation(chat_dir):
         spec_count = re.search(r'^cdb_spec_verifications\{[^}]*\} (\S+)', metrics, re.M)
         assert spec_count and (float(spec_count.group(1)) > 0) == bool(k), spec_count
     assert got[0] == got[4]
+
+
+def test_reserve_kv_keeps_its_blocks_under_speculation():
+    """With reserve_kv (prompt + max_tokens reserved at admission, never preempted) the rollback gives
+    back only blocks a chunk took beyond them: every table keeps its reservation to the end."""
+    m = model("ouro-tiny")
+    shape = dict(n=4, max_new=(6, 14))
+    want = reference("ouro-tiny", "last_exited", False, False, 3, **shape)
+    eng = LLMEngine(m, EngineConfig(kv_cache_tokens=512, block_size=4, reserve_kv=True, speculative_tokens=4,
+                                    exit_threshold=THRESHOLD))
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in random_requests(3, **shape)]
+    while eng.has_unfinished():
+        eng.step()
+        for s in seqs:
+            if s.blocks:
+                assert len(s.blocks) >= -(-s.reserved_tokens(eng.max_model_len) // 4), s.request_id
+    assert [(s.output_ids, s.exit_depths) for s in seqs] == [(r.token_ids, r.exit_depths) for r in want]
+    m = eng.metrics()
+    assert m["spec_verifications"] > 0 and m["preemptions"] == 0 and eng.blocks.all_free

@@ -89,6 +89,7 @@ class Work:
     released: list[Sequence] = field(default_factory=list)
     # SPEC: the positions each sequence verifies (1: a plain decode of its token) and the draft's depth cap
     spec: list[int] = field(default_factory=list)
+    spec_blocks: list[int] = field(default_factory=list)  # SPEC: each table's length before the chunk grew it
     draft_depth: int = 0
 
 
@@ -221,7 +222,7 @@ class Scheduler:
             return self._take(Stage.CORE)
         if self.coda_q:
             return self._take(Stage.CODA)
-        B, ks = self.blocks.block_size, []
+        B, ks, held = self.blocks.block_size, [], [len(s.blocks) for s in q]
         spare = self.blocks.num_free - self.watermark  # blocks the chunks may take
         for s in q:
             n = 1
@@ -238,7 +239,7 @@ class Scheduler:
             ks.append(n)
         if max(ks) < 2:  # nothing to speculate (the blocks grown are none: every n is 1)
             return None
-        return Work(Stage.SPEC, list(q), spec=ks, draft_depth=c.draft_depth)
+        return Work(Stage.SPEC, list(q), spec=ks, spec_blocks=held, draft_depth=c.draft_depth)
 
     def _schedule_mixed(self) -> Work | None:
         """The same priorities with prompt chunks riding in the decode launches (module docstring)."""
@@ -347,11 +348,11 @@ class Scheduler:
                 self.prelude_q if work.stage in (Stage.FUSED, Stage.SPEC) else None
             if src is not None:
                 self._drop(seqs, src)
-            if work.stage is Stage.SPEC:  # rollback: the blocks past the last accepted position go back
-                B = self.blocks.block_size
-                for s in seqs:
+            if work.stage is Stage.SPEC:  # rollback: the blocks the chunk took past the last accepted
+                B = self.blocks.block_size  # position go back (never one held before: reserve_kv's stay)
+                for s, n in zip(seqs, work.spec_blocks):
                     if not finished or s.seq_id not in finished:
-                        self.blocks.shrink(s.blocks, s.num_tokens)
+                        self.blocks.shrink(s.blocks, max(n * B, s.num_tokens))
                         s.fit_blocks(B)
             going = seqs + done if done else seqs  # done: chunks that completed their prompt (first token sampled)
             if finished:
