@@ -326,9 +326,8 @@ def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
 def test_emulated_replicas_serve_and_a_killed_one_loses_nothing(emulated_replicas):
     """--replicas with --device emulated:h100 (issue 26): both replicas serve; killing one under load
     loses no request that was not streaming from it, and every answered request has its tokens."""
-    url, n = emulated_replicas, 400
-    before = replica_pids()
-    assert len(before) == 2
+    url, n = emulated_replicas, 400  # (the CPU replicas of this module's other fixture may still run: the
+    # replicas are told apart by the pid each response names, not by listing processes)
 
     async def run():
         started, victim = asyncio.Event(), []
@@ -348,9 +347,10 @@ def test_emulated_replicas_serve_and_a_killed_one_loses_nothing(emulated_replica
             return await asyncio.gather(*tasks), pending, victim[0]
 
     got, pending, dead = asyncio.run(run())
-    assert dead in before and pending > 2, pending
+    assert pending > 2, pending
     assert [r["status"] for r in got] == [200] * 32, [r.get("error") for r in got if r["status"] != 200]
-    assert len({r["headers"]["x-looplm-replica"] for r in got}) == 2
+    served = {r["headers"]["x-looplm-replica"] for r in got}
+    assert 2 <= len(served) <= 3 and any(x.endswith(f":{dead}") for x in served)  # 3: Serve's replacement
     for r in got:
         if "stream_error" in r:  # only a stream under way on the killed replica may end early
             assert r["headers"]["x-looplm-replica"].endswith(f":{dead}") and len(r["ids"]) < n
