@@ -91,6 +91,21 @@ def test_wall_time_waits_for_the_predicted_time_and_matches_the_simulator():
 
 
 
+def test_slowdown_stretches_the_wall_clock_not_the_device_clock():
+    """--emulated-slowdown S: each wait is S x the prediction (a small host keeps up with a fast
+    device's token rate); the virtual clock and the depths are the unslowed device's."""
+    cfg = paper_config("ouro-1.4b")
+    reqs = make_requests("alpaca", 6, seed=0, max_model_len=4096, vocab_size=cfg.vocab_size)
+    fast, slow = (E.emulated_engine("ouro-1.4b", H100, {"max_batch_size": 8}, by_index=True, slowdown=s) for s in (1, 3))
+    (outs_f, _), (outs_s, wall_s) = run_all(fast, reqs), run_all(slow, reqs)
+    assert slow.runner.clock == pytest.approx(fast.runner.clock, rel=1e-9)
+    assert [o.exit_depths for o in outs_s] == [o.exit_depths for o in outs_f]
+    assert wall_s >= 3 * 0.999 * slow.runner.clock and slow.runner.waited > 2 * fast.runner.waited
+    assert slow.runner.describe()["slowdown"] == 3
+    with pytest.raises(ParamError, match="must be > 0"):
+        E.emulated_engine("ouro-1.4b", H100, slowdown=0)
+
+
 def test_preemption_swaps_are_waited_for():
     from infer.bench.workloads import Request
     eng = E.emulated_engine("ouro-1.4b", H100, {"kv_cache_tokens": 160, "watermark": 0.0, "max_batch_size": 8},
@@ -321,10 +336,13 @@ def test_capacity_sim_only(tmp_path):
 def test_capacity_script_writes_the_table(tmp_path):
     from infer.bench import capacity as C
     res = C.main(["--pairs", "ouro-1.4b:alpaca", "--num-prompts", "8", "--ladder", "0.5", "1.0", "--max-seconds", "30",
-                  "--sim-requests", "16", "--out", str(tmp_path)])
+                  "--sim-requests", "16", "--slowdown", "2", "--out", str(tmp_path)])
     pair = json.loads((tmp_path / "capacity.json").read_text())["pairs"][0]
     assert pair == json.loads(json.dumps(res["pairs"][0]))
     assert pair["device"]["emulated"] is True and pair["device"]["attention"] == "paged"
+    # slowed 2x: half of each rate sent, reported in the GPU's units
+    assert pair["device"]["slowdown"] == 2 and pair["slowdown"] == 2
+    assert [p["sent_rate"] * 2 for p in pair["points"]["cb"]] == pytest.approx(pair["rates"], rel=1e-3)
     assert set(pair["knee"]) == set(C.LABELS) and len(pair["points"]["cb"]) == 2
     assert pair["authors_ratio_to_cb"]["cdb-refill"] == pytest.approx(53.9 / 34.9)
     assert all(p["failed"] == 0 and p["norm_latency_p90"] >= 0 for pts in pair["points"].values() for p in pts)

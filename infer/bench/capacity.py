@@ -9,6 +9,11 @@ rates are `--ladder` x the simulated CB knee.
     python -m infer.bench.capacity --pairs ouro-1.4b:alpaca huginn-3.5b:alpaca --num-prompts 128 \
         --out outputs/capacity
 
+`--slowdown S` runs the emulated clock S times slower and sends 1/S of each rate: the queues evolve as on
+the GPU, stretched in time, while the host (HTTP, streaming, the client) does 1/S of the GPU's work per
+second; rates are reported x S and latencies / S. It is what lets a 2-core host keep up with Ouro-1.4B's
+H100 token rates; the host's own latency (~ms per request) is then divided by S too, a small bias.
+
 The knee: the highest swept rate whose mean normalised latency (and every lower rate's) stays within
 the limit with no failed request, and the rate where the curve crosses the limit (interpolated;
 online.sustained_rate). The limit: `--slo-factor` (3) x the best mean normalised latency at the
@@ -103,28 +108,36 @@ def ratios(knee: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor: float, max_seconds: float,
-             sim_requests: int, seed: int, out: Path) -> dict:
+             sim_requests: int, seed: int, out: Path, slowdown: float = 1.0) -> dict:
+    """One pair's curves. With `slowdown` S the emulated clock runs S times slower and the client sends
+    1/S of each rate, so the queues evolve as on the GPU in S-times-longer time while the host does 1/S
+    of the work per second; every rate is reported x S and every latency / S (the GPU's units)."""
     sk = sim_knees(model, workload, sim_requests, seed)
-    rates = [round(sk["cb"] * f, 4) for f in ladder]
+    rates = [round(sk["cb"] * f, 4) for f in ladder]  # the GPU's
+    sent = [round(r / slowdown, 4) for r in rates]
     d = out / f"{model}_{workload}"
     server_args = (f"--threads 1 --max-batch-size {window(workload)} --min-coda-batch {coda_batch(model, workload)} "
-                   f"--emulated-attention {ATTENTION}")
+                   f"--emulated-attention {ATTENTION} --emulated-slowdown {slowdown:g}")
     summary = online.main(["--model", model, "--device", "emulated:h100", "--policies", ",".join(LABELS),
-                           "--rates", ",".join(f"{r:g}" for r in rates), "--num-prompts", str(num_prompts),
+                           "--rates", ",".join(f"{r:g}" for r in sent), "--num-prompts", str(num_prompts),
                            "--dataset", workload, "--length-scale", "1", "--max-seconds", str(max_seconds),
                            "--slo-factor", str(slo_factor), "--server-args", server_args, "--seed", str(seed),
                            "--out", str(d)])
     points = {lab: [] for lab in LABELS}
     for lab in LABELS:
-        for r in rates:
-            rec = json.loads((d / f"{lab}_rate{r:g}_rep0.json").read_text())
-            points[lab].append({"rate": r, **point_stats(rec["requests"]),
-                                "output_throughput": rec["output_throughput"]})
-    limit = summary["limit_s_per_token"]
+        for r, sr in zip(rates, sent):
+            rec = json.loads((d / f"{lab}_rate{sr:g}_rep0.json").read_text())
+            st = point_stats(rec["requests"])
+            for k in ("norm_latency_mean", "norm_latency_p90", "ttft_mean_s", "ttft_p90_s"):
+                st[k] = None if st[k] is None else st[k] / slowdown
+            points[lab].append({"rate": r, "sent_rate": sr, **st,
+                                "output_throughput": rec["output_throughput"] * slowdown})
+    limit = summary["limit_s_per_token"] / slowdown
     k = knees(points, limit)
     crossing = {lab: v["interpolated_rate_at_limit"] for lab, v in k.items()}
     authors = dict(zip(LABELS, AUTHORS[(model, workload)])) if (model, workload) in AUTHORS else None
     return {"model": model, "workload": workload, "W": window(workload), "K": coda_batch(model, workload),
+            "slowdown": slowdown,
             "mean_exit_depth": ASSUMED_MEAN_DEPTH[model], "device": summary.get("device"),
             "mean_input_len": summary.get("mean_input_len"), "mean_output_len": summary.get("mean_output_len"),
             "sim_knee": sk, "sim_ratio_to_cb": ratios(sk), "rates": rates, "limit_s_per_token": limit,
@@ -216,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-seconds", type=float, default=120.0, help="cap per (policy, rate), sending + waiting")
     p.add_argument("--sim-requests", type=int, default=1024, help="requests of the simulator's drain (few: the "
                    "longest request's tail dominates the drain and the knee comes out low)")
+    p.add_argument("--slowdown", type=float, default=1.0, help="the emulated clock runs this many times slower and "
+                   "the rates sent are divided by it (a fast device's token rate on a small host); reported in the "
+                   "GPU's units")
     p.add_argument("--sim-only", action="store_true", help="only the simulator's knees (virtual time, seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/capacity"))
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     for model, workload in pairs:
         res["pairs"].append(run_pair(model, workload, num_prompts=a.num_prompts, ladder=a.ladder,
                                      slo_factor=a.slo_factor, max_seconds=a.max_seconds, sim_requests=a.sim_requests,
-                                     seed=a.seed, out=a.out))
+                                     seed=a.seed, out=a.out, slowdown=a.slowdown))
         (a.out / "capacity.json").write_text(json.dumps(res, indent=1))  # after every pair: a partial run keeps its
     print(json.dumps([{k: v for k, v in r.items() if k not in ("points", "device")} for r in res["pairs"]], indent=1))
     print(f"plot: {plot(res['pairs'], a.out / 'capacity.png')}")

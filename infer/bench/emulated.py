@@ -135,9 +135,12 @@ class EmulatedRunner(SimRunner):
     `depths(request_id, token index) -> exit depth`; `token_id`: the id every emitting row gives."""
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *, cost, depths,
-                 token_id: int = FIRST_ID, info: dict | None = None, **kw):
+                 token_id: int = FIRST_ID, info: dict | None = None, slowdown: float = 1.0, **kw):
         super().__init__(model, kv_layout, blocks, criterion, pad_pow2, max_batch_size, cost=cost, depths=[], **kw)
         self.source, self.token_id = depths, token_id
+        # the wall clock runs `slowdown` times slower than the emulated GPU's (the virtual clock, `clock`,
+        # does not): a small host then keeps up with a device whose token rate it could not serve
+        self.slowdown = slowdown
         self.device_info = {"emulated": True, **(info or {})}
         self.trace = _Last()  # the server runs for hours: keep no history (the engine's trace has it)
         self.waited = 0.0  # seconds slept
@@ -158,9 +161,9 @@ class EmulatedRunner(SimRunner):
         host = now - self._returned if self._returned is not None else 0.0
         before = self.clock
         out = super().run(work)
-        predicted = self.clock - before
+        predicted = (self.clock - before) * self.slowdown
         last = self.trace[-1]  # (a speculative stage: its last launch's host share)
-        share = self.cost.host_seconds(Stage(last["stage"]), last["padded"])
+        share = self.cost.host_seconds(Stage(last["stage"]), last["padded"]) * self.slowdown
         deadline = now + predicted - min(host, share) - self._late
         left = deadline - time.perf_counter()
         if left > 0:
@@ -192,11 +195,11 @@ class EmulatedRunner(SimRunner):
         before = self.clock
         super().swap(ops)
         if self.clock > before:
-            time.sleep(self.clock - before)
-            self.waited += self.clock - before
+            time.sleep((self.clock - before) * self.slowdown)
+            self.waited += (self.clock - before) * self.slowdown
 
     def describe(self) -> dict:
-        """What the emulated device did so far: predicted and slept seconds."""
+        """What the emulated device did so far: predicted (the GPU's, not slowed) and slept seconds."""
         return {**self.device_info, "predicted_seconds": self.clock, "slept_seconds": self.waited}
 
 
@@ -271,10 +274,14 @@ def depth_source(cfg: LoopConfig, *, mean_depth: float | None = None, replay_exi
 def emulated_engine(model: str | Path, device: str, engine: dict | None = None, *, mean_depth: float | None = None,
                     replay_exits: Path | None = None, replay_workload: str | None = None, seed: int = 0,
                     layer_split: str | None = None, host_json: Path | None = HOST_JSON, attention: str = "sdpa",
-                    by_index: bool = False, trace: bool = False) -> LLMEngine:
+                    by_index: bool = False, trace: bool = False, slowdown: float | None = None) -> LLMEngine:
     """An LLMEngine on the emulated `device` ("emulated:h100") for `model` (module docstring);
-    `engine`: EngineConfig fields. Its runner's `device_info` says what is emulated."""
+    `engine`: EngineConfig fields; `slowdown`: the wall clock runs that many times slower than the
+    device's. Its runner's `device_info` says what is emulated."""
     name, spec = device_spec(device)
+    slowdown = 1.0 if slowdown is None else float(slowdown)
+    if not slowdown > 0:
+        raise ParamError("emulated_slowdown", f"must be > 0 (1: the device's own speed), got {slowdown:g}")
     cfg, tok = emulated_config(model, layer_split)
     kw = emulated_settings(cfg, dict(engine or {}), spec["memory"])
     if trace:
@@ -290,8 +297,8 @@ def emulated_engine(model: str | Path, device: str, engine: dict | None = None, 
     token = next(t for t in range(FIRST_ID, cfg.vocab_size) if t not in eos)
     info = {"device": PREFIX + name, "model": str(model), "cost_model": "roofline", **spec,
             "host_json": str(host_json) if host else None, "attention": attention, "exits": exits,
-            "token_id": token}
-    runner = partial(EmulatedRunner, cost=cost, depths=depths, token_id=token, info=info)
+            "token_id": token, "slowdown": slowdown}
+    runner = partial(EmulatedRunner, cost=cost, depths=depths, token_id=token, info=info, slowdown=slowdown)
     return LLMEngine(SimModel(cfg), ecfg, tok, runner_cls=runner)
 
 
@@ -300,7 +307,7 @@ def engine_from_args(a) -> LLMEngine:
     engine = engine_kwargs_from_args(a)
     return emulated_engine(a.model, a.device, engine, mean_depth=a.mean_depth, replay_exits=a.replay_exits,
                            replay_workload=a.replay_workload, seed=engine.get("seed") or 0, layer_split=a.layer_split,
-                           attention=a.emulated_attention or "sdpa")
+                           attention=a.emulated_attention or "sdpa", slowdown=a.emulated_slowdown)
 
 
 # ---------------------------------------------------------------------------------- the offline bench
@@ -316,7 +323,7 @@ def bench_emulated(a, workloads: list[str], modes: list[dict], base: dict, repla
         return emulated_engine(a.model, a.device, {**base, **{k: v for k, v in mode.items() if k != "name"}},
                                mean_depth=a.mean_depth, replay_exits=a.replay_exits if replay else None,
                                replay_workload=w, seed=a.seed, layer_split=a.layer_split, by_index=True, trace=True,
-                               attention=a.emulated_attention)
+                               attention=a.emulated_attention, slowdown=a.emulated_slowdown)
 
     scale = a.scale if a.scale == "auto" else float(a.scale)
     blocks = []
@@ -344,7 +351,7 @@ def bench_emulated(a, workloads: list[str], modes: list[dict], base: dict, repla
             raw = raws[r["mode"]]
             r["predicted_seconds"] = raw["predicted_seconds"]
             r["predicted_output_tokens_per_s"] = raw["output_tokens"] / raw["predicted_seconds"]
-            r["wall_over_predicted"] = raw["seconds"] / raw["predicted_seconds"]
+            r["wall_over_predicted"] = raw["seconds"] / (raw["predicted_seconds"] * first.runner.slowdown)
         blocks.append({"workload": describe(reqs, w, scale, ctx), "bounds": bounds_block(cfg, reqs),
                        "results": results, "emulated": info, "traces": {n: r["trace"] for n, r in raws.items()},
                        "exit_depths": next(iter(raws.values()))["exit_depths"],

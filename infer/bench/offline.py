@@ -439,6 +439,8 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
                    "spread; default: infer.sim's assumption); --replay-exits instead replays a file's depths")
     p.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default="sdpa",
                    help="emulated device: what decode attention reads (infer.sim's --attention)")
+    p.add_argument("--emulated-slowdown", type=float, default=None, metavar="S",
+                   help="emulated device: its wall clock runs S times slower than the GPU's (default 1)")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights (real shapes, no "
                         "weights file)")
@@ -480,8 +482,9 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
         paths = write_outputs(blocks, meta, a.out, meta["name"], a.save_trace)
         print(f"json: {paths['json']}\nplot: {paths['png']}")
         return
-    if a.mean_depth is not None:
-        p.error("--mean-depth is for an emulated device (--device emulated:h100)")
+    for k in ("mean_depth", "emulated_slowdown"):
+        if getattr(a, k) is not None:
+            p.error(f"--{k.replace('_', '-')} is for an emulated device (--device emulated:h100)")
     model, tok = load_model(a.model, a.dtype, a.device, load_format=a.load_format, layer_split=a.layer_split)
     base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)

@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default=None,
                    help="emulated device: what decode attention reads (infer.sim's --attention; default sdpa, the "
                         "engine's CUDA path today; paged: a paged kernel as vLLM's)")
+    m.add_argument("--emulated-slowdown", type=float, default=None, metavar="S",
+                   help="emulated device: its clock runs S times slower (every predicted stage time x S), so a small "
+                        "host keeps up; rates map back x S, latencies / S (default 1)")
     m.add_argument("--replay-workload", default=None, help="with --replay-exits: which workload (default: the "
                    "file's first)")
     add_engine_args(p)
@@ -87,7 +90,7 @@ def make_engine(a: argparse.Namespace, emulate=None) -> LLMEngine:
         if emulate is None:
             raise ParamError("device", f"--device {a.device}: the emulated device is wired in by python -m infer.serve")
         return emulate(a)
-    for k in ("mean_depth", "replay_exits", "replay_workload", "emulated_attention"):
+    for k in ("mean_depth", "replay_exits", "replay_workload", "emulated_attention", "emulated_slowdown"):
         if getattr(a, k, None) is not None:
             raise ParamError(k, f"--{k.replace('_', '-')} is for an emulated device (--device emulated:h100)")
     model, tok = load_model(a.model, a.dtype, a.device, a.r_max, a.load_format, a.layer_split)
