@@ -45,6 +45,28 @@ def random_requests(seed, n=6, prompt_len=(1, 12), max_new=(1, 9), low=1):
             for _ in range(n)]
 
 
+def random_load(eng, rng, n, max_gap, max_steps=20000):
+    """Random load on an engine: `n` requests (prompts of 1-20 ids, 1-30 tokens, EOS ignored, some
+    with r_max one below the model's), 0..max_gap steps after each, then run to the end. Returns
+    the sequences, all finished with their max_tokens tokens (asserted); bounded by `max_steps`."""
+    seqs, steps = [], 0
+    r_max = eng.model.cfg.r_max
+    for _ in range(n):
+        p = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+        seqs.append(eng.add_request(p, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True,
+                                                      r_max=rng.choice([None, r_max - 1]))))
+        for _ in range(rng.randint(0, max_gap)):
+            eng.step()
+            steps += 1
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < max_steps
+    assert all(s.finished and s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens
+               for s in seqs)
+    return seqs
+
+
 def policy(arch, lookahead=False, full=False, threshold=THRESHOLD):
     return ExitPolicy.from_config(model(arch).cfg, threshold=threshold, lookahead=lookahead, full_depth=full)
 

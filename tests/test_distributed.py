@@ -222,6 +222,32 @@ def test_replica_scaling_reads_cpu_per_part():
     assert set(parts) == {"ingress", "replicas", "ray_other", "client"} and parts["ingress"] > 0
 
 
+def test_replica_scaling_samples_steady_state_cores():
+    """The sampler sees a process that spins in steady state (about one core), the machine's busy
+    cores include it, and `steady` counts the tokens streamed inside the middle half only."""
+    from infer.bench import replica_scaling as RS
+    from infer.bench.online import Result
+    child = subprocess.Popen([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() - t < 2.0: pass"])
+    try:
+        time.sleep(0.2)  # the child is listed when the sampler starts
+        sm = RS.Sampler(os.getpid(), 0.1)
+        assert sm.label[child.pid] == "ray_other" and sm.label[os.getpid()] == "client"
+        sm.start()
+        time.sleep(1.2)
+        sm.halt.set()
+        sm.join()
+    finally:
+        child.wait()
+    t0 = sm.t0
+    # one request streaming 10 chunks of 1 token, 0.1 s apart, from t0; another that failed
+    res = [Result(4, 10, send=t0, ttft=0.0, output_len=10, itl=[0.1] * 9), Result(4, 10, error="x")]
+    st = RS.steady(sm.rows, res, t0)
+    assert st["ray_other"] > 0.5 and st["machine_busy"] >= st["ray_other"] - 0.2 and st["machine_steal"] >= 0
+    lo, hi = st["window_s"]
+    inside = sum(lo <= 0.1 * i <= hi for i in range(10))
+    assert st["output_throughput"] == pytest.approx(inside / (hi - lo))
+
+
 @pytest.mark.slow
 def test_two_replicas_equal_the_single_server(replicas, single):
     want = asyncio.run(many(single, 24))
@@ -257,35 +283,37 @@ def test_metrics_are_summed_over_replicas(replicas):
     assert m["cdb_replicas"] == 2
 
 
+async def kill_under_load(url: str, max_tokens: int) -> tuple[list[dict], int, float, int]:
+    """Send every prompt (one in four streamed) and SIGKILL the replica whose stream starts first:
+    it is decoding then, with the non-streamed requests it was sent at the same moment still in
+    flight (a fixed sleep before the kill let one replica finish its share first on a loaded 2-core
+    machine, and then nothing was left to retry). Returns (responses, requests pending at the kill,
+    the kill's monotonic time, the killed pid)."""
+    started, victim = asyncio.Event(), []
+
+    def on_head(headers):
+        if not victim:
+            victim.append(int(headers["x-looplm-replica"].rsplit(":", 1)[1]))
+            started.set()
+
+    async with httpx.AsyncClient(timeout=180) as c:
+        tasks = [asyncio.create_task(complete(c, url, p, max_tokens, stream=i % 4 == 0,
+                                              on_head=on_head if i % 4 == 0 else None))
+                 for i, p in enumerate(PROMPTS)]
+        await asyncio.wait_for(started.wait(), 120)
+        pending = sum(not t.done() for t in tasks)
+        os.kill(victim[0], signal.SIGKILL)
+        t_kill = time.monotonic()
+        return await asyncio.gather(*tasks), pending, t_kill, victim[0]
+
+
 @pytest.mark.slow
 def test_killed_replica_loses_no_request_and_is_replaced(replicas, single):
     want = asyncio.run(many(single, 48))
     before = replica_pids()
     assert len(before) == 2
 
-    async def run():
-        # the victim is the replica whose stream starts first: it is decoding then, with the
-        # non-streamed requests it was sent at the same moment still in flight (a fixed sleep
-        # before the kill let one replica finish its share first on a loaded 2-core machine, and
-        # then nothing was left to retry)
-        started, victim = asyncio.Event(), []
-
-        def on_head(headers):
-            if not victim:
-                victim.append(int(headers["x-looplm-replica"].rsplit(":", 1)[1]))
-                started.set()
-
-        async with httpx.AsyncClient(timeout=180) as c:
-            tasks = [asyncio.create_task(complete(c, replicas, p, 48, stream=i % 4 == 0,  # 8 streamed
-                                                  on_head=on_head if i % 4 == 0 else None))
-                     for i, p in enumerate(PROMPTS)]
-            await asyncio.wait_for(started.wait(), 120)
-            pending = sum(not t.done() for t in tasks)
-            os.kill(victim[0], signal.SIGKILL)
-            t_kill = time.monotonic()
-            return await asyncio.gather(*tasks), pending, t_kill, victim[0]
-
-    got, pending, t_kill, dead = asyncio.run(run())
+    got, pending, t_kill, dead = asyncio.run(kill_under_load(replicas, 48))
     assert dead in before
     assert pending > 2, "the kill must land while requests are in flight"
     # nothing lost: every request answered with the single server's tokens, none duplicated; only a
@@ -329,24 +357,7 @@ def test_emulated_replicas_serve_and_a_killed_one_loses_nothing(emulated_replica
     url, n = emulated_replicas, 400  # (the CPU replicas of this module's other fixture may still run: the
     # replicas are told apart by the pid each response names, not by listing processes)
 
-    async def run():
-        started, victim = asyncio.Event(), []
-
-        def on_head(headers):
-            if not victim:
-                victim.append(int(headers["x-looplm-replica"].rsplit(":", 1)[1]))
-                started.set()
-
-        async with httpx.AsyncClient(timeout=180) as c:
-            tasks = [asyncio.create_task(complete(c, url, p, n, stream=i % 4 == 0,
-                                                  on_head=on_head if i % 4 == 0 else None))
-                     for i, p in enumerate(PROMPTS)]
-            await asyncio.wait_for(started.wait(), 120)
-            pending = sum(not t.done() for t in tasks)
-            os.kill(victim[0], signal.SIGKILL)
-            return await asyncio.gather(*tasks), pending, victim[0]
-
-    got, pending, dead = asyncio.run(run())
+    got, pending, _, dead = asyncio.run(kill_under_load(url, n))
     assert pending > 2, pending
     assert [r["status"] for r in got] == [200] * 32, [r.get("error") for r in got if r["status"] != 200]
     served = {r["headers"]["x-looplm-replica"] for r in got}

@@ -9,8 +9,8 @@ from infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from looplm import ExitPolicy, tiny_model
 from infer.engine.reference import reference_generate
 
-from helpers import ARCHS, MODES_KBIG, THRESHOLD, engine_settings, grid, model, random_requests, reference, \
-    run_staggered, stable_seed
+from helpers import ARCHS, MODES_KBIG, THRESHOLD, engine_settings, grid, model, random_load, random_requests, \
+    reference, run_staggered, stable_seed
 
 CASES = grid(MODES_KBIG, archs=ARCHS)
 
@@ -54,20 +54,7 @@ def test_invariants_random_load(arch, seed):
                        kv_cache_tokens=64, block_size=8, exit_threshold=0.5, r_min=r_min,
                        lookahead=bool(rng.random() < 0.5))
     eng = LLMEngine(m, cfg)
-    seqs, steps = [], 0
-    for i in range(25):
-        p = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
-        seqs.append(eng.add_request(p, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True,
-                                                      r_max=rng.choice([None, m.cfg.r_max - 1]))))
-        for _ in range(rng.randint(0, 6)):
-            eng.step()
-            steps += 1
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-        assert steps < 20000
-    assert all(s.finished and s.finish_reason == "length" for s in seqs)
-    assert all(len(s.output_ids) == s.params.max_tokens for s in seqs)
+    seqs = random_load(eng, rng, 25, 6)
     assert eng.blocks.all_free
     lo = max(r_min, 2 if cfg.lookahead else 1)
     for s in seqs:

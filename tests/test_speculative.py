@@ -17,8 +17,8 @@ from infer.engine.sequence import Stage
 from looplm import ExitPolicy, ParamError, tiny_model
 
 from helpers import ARCHS, MODES, THRESHOLD, ContentRunner, arrive_or_abort, assert_same, check_blocks, \
-    engine_settings, exits_vary, fake_postprocess, grid, model, random_requests, reference, run_staggered, \
-    stable_seed, triples
+    engine_settings, exits_vary, fake_postprocess, grid, model, random_load, random_requests, reference, \
+    run_staggered, stable_seed, triples
 
 # every (mode, layout, lookahead) the engine runs with a depth-indexed layout, on both models, k = 2 and 4
 CASES = [(a, *c, k) for a in ARCHS for c in grid(MODES, layouts=["last_exited", "full_depth"]) for k in (2, 4)]
@@ -255,16 +255,7 @@ def test_engine_random_load_with_speculation():
     m = model("huginn-tiny")
     eng = LLMEngine(m, EngineConfig(kv_cache_tokens=64, block_size=8, exit_threshold=0.5, r_min=2,
                                     speculative_tokens=4, speculative_max_batch=4))
-    seqs = []
-    for i in range(20):
-        p = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
-        seqs.append(eng.add_request(p, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True,
-                                                      r_max=rng.choice([None, m.cfg.r_max - 1]))))
-        for _ in range(rng.randint(0, 8)):
-            eng.step()
-    while eng.has_unfinished():
-        eng.step()
-    assert all(s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens for s in seqs)
+    seqs = random_load(eng, rng, 20, 8)
     assert all(2 <= d <= s.policy.r_max for s in seqs for d in s.exit_depths[1:])
     assert eng.blocks.all_free and spec(eng)["verifications"] > 0
 

@@ -255,16 +255,20 @@ def latency_row(name: str, b: dict) -> str:
             ("" if b["work_on"]["complete"] else "  (trace lacks the speculative core launches: work undercounted)"))
 
 
+def each(results: dict[str, dict], part: str):
+    """(checkpoint, block) for every block of `part` ("acceptance" or "latency") of every checkpoint."""
+    return ((name, b) for name, res in results.items() for b in res[part])
+
+
 def tables(results: dict[str, dict]) -> list[str]:
     """The markdown tables of docs/results.md: acceptance per checkpoint x setting, then batch-1 latency."""
     L = ["| checkpoint | draft depth | k | acceptance rate | P(draft accepted) | tokens / verification | "
          "verifications | exact |", "|---|---|---|---|---|---|---|---|"]
-    for name, res in results.items():
-        for b in res["acceptance"]:
-            sp = b["speculative"]
-            L.append(f"| {name} | {b['draft_depth']} | {b['k']} | {sp['acceptance_rate']:.3f} | "
-                     f"{sp['draft_accept_prob']:.3f} | {sp['tokens_per_verification']:.2f} | {sp['verifications']} | "
-                     f"{'yes' if b['exact'] else 'NO'} |")
+    for name, b in each(results, "acceptance"):
+        sp = b["speculative"]
+        L.append(f"| {name} | {b['draft_depth']} | {b['k']} | {sp['acceptance_rate']:.3f} | "
+                 f"{sp['draft_accept_prob']:.3f} | {sp['tokens_per_verification']:.2f} | {sp['verifications']} | "
+                 f"{'yes' if b['exact'] else 'NO'} |")
     L += ["", "| checkpoint | prompts | settings changed | mean exit depth | tokens final at draft depth 1 / 2 | "
           "output 4-grams seen before |", "|---|---|---|---|---|---|"]
     for name, res in results.items():
@@ -274,12 +278,11 @@ def tables(results: dict[str, dict]) -> list[str]:
                  f"{ref['mean_exit_depth']:.2f} | {fin} | {ref['repeated_4gram_share']:.2f} |")
     L += ["", "| checkpoint | k | draft depth | ms/token off | ms/token on | off / on (95% CI) | launches off -> on | "
           "weight bytes on / off | FLOPs on / off |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, res in results.items():
-        for b in res["latency"]:
-            r = b["ratio_off_over_on"]
-            L.append(f"| {name} | {b['k']} | {b['draft_depth']} | {b['ms_per_token_off']:.2f} | {b['ms_per_token_on']:.2f} | "
-                     f"{r['median']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] | {b['launches_off']} -> {b['launches_on']} | "
-                     f"{b['weight_bytes_ratio']:.3f} | {b['flops_ratio']:.3f} |")
+    for name, b in each(results, "latency"):
+        r = b["ratio_off_over_on"]
+        L.append(f"| {name} | {b['k']} | {b['draft_depth']} | {b['ms_per_token_off']:.2f} | {b['ms_per_token_on']:.2f} | "
+                 f"{r['median']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] | {b['launches_off']} -> {b['launches_on']} | "
+                 f"{b['weight_bytes_ratio']:.3f} | {b['flops_ratio']:.3f} |")
     return L
 
 
