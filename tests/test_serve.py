@@ -428,3 +428,11 @@ def test_bench_online_against_server(served):
     assert sustained_rate([(1, 0.1, 0), (2, 0.2, 0), (4, 0.6, 0)], 0.4) == {
         "max_rate_within_limit": 2, "interpolated_rate_at_limit": 3.0}
     assert sustained_rate([(1, 0.5, 0)], 0.4)["max_rate_within_limit"] is None
+    # --max-concurrency 1: a burst goes one request at a time (each is sent after the previous ended)
+    res, _ = asyncio.run(run_rate(served[0].url, NAME, float("inf"), [(5, 6), (3, 4), (9, 2)], 300, 0, 1.0, 30,
+                                  max_concurrency=1))
+    assert [r.error for r in res] == [None] * 3
+    spans = sorted((r.send, r.send + r.e2e) for r in res)
+    assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
+    with pytest.raises(ValueError, match="max_concurrency"):
+        asyncio.run(run_rate(served[0].url, NAME, 1.0, [(5, 6)], 300, 0, 1.0, 30, max_concurrency=0))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -131,12 +132,24 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
 
 async def run_rate(url: str, model: str, rate: float, lengths: list[tuple[int, int]], vocab: int, seed: int,
                    burstiness: float, max_seconds: float, api_key: str | None = None,
-                   max_connections: int = 1024) -> tuple[list[Result], float]:
-    """Send len(lengths) requests with gamma arrivals; stop sending after `max_seconds` (bounded)."""
+                   max_connections: int = 1024, max_concurrency: int | None = None) -> tuple[list[Result], float]:
+    """Send len(lengths) requests with gamma arrivals; stop sending after `max_seconds` (bounded).
+    `max_concurrency` (vLLM's --max-concurrency): at most that many requests in flight; an arrival
+    waits in the client for a free one (its TTFT counts from when it is sent)."""
     rng = np.random.default_rng(seed + 1)
     gaps = arrival_gaps(len(lengths), rate, burstiness, seed)
     results = [Result(p, o) for p, o in lengths]
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    max_connections = min(max_connections, max_concurrency or max_connections)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+
+    async def send(client: httpx.AsyncClient, prompt: list[int], res: Result) -> None:
+        async with gate or contextlib.nullcontext():
+            left = max(1.0, max_seconds - (time.perf_counter() - t0))  # the run's deadline, not the request's
+            await one_request(client, url, model, prompt, res, left, api_key)
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(max_seconds, connect=30), limits=limits) as client:
         t0 = time.perf_counter()
         tasks, t_next = [], t0
@@ -148,9 +161,7 @@ async def run_rate(url: str, model: str, rate: float, lengths: list[tuple[int, i
                 continue
             if delay > 0:
                 await asyncio.sleep(delay)
-            left = max(1.0, max_seconds - (time.perf_counter() - t0))
-            tasks.append(asyncio.create_task(
-                one_request(client, url, model, make_prompt(rng, res.prompt_len, vocab), res, left, api_key)))
+            tasks.append(asyncio.create_task(send(client, make_prompt(rng, res.prompt_len, vocab), res)))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     return results, duration
@@ -335,6 +346,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
     p.add_argument("--repeats", type=int, default=1, help="rounds per rate (median reported; spread plotted)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="hard cap per rate (sending + waiting)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (vLLM's flag); later arrivals wait in the client")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--dataset", default="sharegpt",
                    help=f"'fixed', a trace of infer/bench/data {list(WORKLOADS)}, or a CSV path")
@@ -392,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
                     url = servers[label][1]
                     wait_idle(url)
                     res, dur = asyncio.run(run_rate(url, name, rate, lengths, vocab, a.seed + rep, a.burstiness,
-                                                    a.max_seconds, a.api_key))
+                                                    a.max_seconds, a.api_key, max_concurrency=a.max_concurrency))
                     s = {"label": label, "rate": rate, "repeat": rep, "emulated": summary["emulated"],
                          **summarize(res, dur)}
                     (a.out / f"{label}_rate{rate:g}_rep{rep}.json").write_text(json.dumps(
