@@ -7,7 +7,10 @@ On an emulated device the engine's compute is a wait (the cost model's stage tim
 scale is the host: the ingress (HTTP in, a Serve handle call per request, the response streamed
 back), each replica (its HTTP app, the async engine, the scheduler, the output processor and the
 detokenizer) and the client. Each point starts the server, sends every prompt at once (a rate that
-saturates one replica: nothing waits on arrivals), streams the answers like the online bench
+saturates one replica: nothing waits on arrivals) with at most `--concurrency-per-replica` x replicas in
+flight (a closed loop: each replica's batch stays full with a batch's worth waiting, inside its
+admission limit, max_batch_size + --max-waiting; past that the single server answers 429 and Ray
+Serve's router queues and backs off, so an unbounded burst measured the overload path), streams the answers like the online bench
 (infer/bench/online.py's client) and reads, from /proc, the CPU seconds each part burnt during the
 run: the ingress process, the replica actors (`ray::ServeReplica`), the rest of Ray (GCS, raylet,
 Serve controller) and the client (this process). CPU per output token, times the tokens/s, says
@@ -146,8 +149,9 @@ def steady(rows: list[dict], res: list, t0: float) -> dict:
 
 
 def point(model: str, device: str, replicas: int, lengths: list[tuple[int, int]], seed: int, max_seconds: float,
-          log_dir: Path, extra: list[str], sample_every: float = 0.5) -> dict:
-    """One server with `replicas` replicas, every prompt at once; throughput, TTFT, CPU per part."""
+          log_dir: Path, extra: list[str], sample_every: float = 0.5, per_replica: int = 128) -> dict:
+    """One server with `replicas` replicas, every prompt at once with at most `per_replica` x
+    replicas in flight; throughput, TTFT, CPU per part."""
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths
     ray_args = ["--replicas", str(replicas)] if replicas else []  # 0: the single-process server, no Ray
     proc, url = online.start_server(model, "cdb-refill", ["--device", device, *ray_args, *extra],
@@ -160,7 +164,8 @@ def point(model: str, device: str, replicas: int, lengths: list[tuple[int, int]]
         sampler = Sampler(proc.pid, sample_every)
         before = cpu_by_part(proc.pid)
         sampler.start()
-        res, dur = asyncio.run(online.run_rate(url, name, float("inf"), lengths, vocab, seed, 1.0, max_seconds))
+        res, dur = asyncio.run(online.run_rate(url, name, float("inf"), lengths, vocab, seed, 1.0, max_seconds,
+                                               max_concurrency=per_replica * max(1, replicas)))
         sampler.halt.set()
         sampler.join()
         after = cpu_by_part(proc.pid)
@@ -192,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-seconds", type=float, default=300.0)
     p.add_argument("--server-args", default="", help="more infer.serve arguments (one string)")
     p.add_argument("--sample-every", type=float, default=0.5, help="seconds between CPU samples")
+    p.add_argument("--concurrency-per-replica", type=int, default=128,
+                   help="requests in flight per replica (default: twice the engine's default batch of 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/replicas"))
     a = p.parse_args(argv)
@@ -199,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = online.sample_lengths(a.num_prompts, a.seed, a.dataset, 4096, 0, 0, a.length_scale, None)
     points = []
     for n in a.replicas:
-        pt = point(a.model, a.device, n, lengths, a.seed, a.max_seconds, a.out, a.server_args.split(), a.sample_every)
+        pt = point(a.model, a.device, n, lengths, a.seed, a.max_seconds, a.out, a.server_args.split(), a.sample_every,
+                   a.concurrency_per_replica)
         points.append(pt)
         c = pt["cpu_ms_per_output_token"]
         print(f"{n} replica(s): {pt['output_throughput']:8.1f} tok/s ({pt['completed']}/{len(lengths)} ok), "
@@ -216,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     for pt in points:
         pt["throughput_ratio"] = pt["output_throughput"] / base
     out = {"model": a.model, "device": a.device, "dataset": a.dataset, "length_scale": a.length_scale,
-           "num_prompts": a.num_prompts, "cores": os.cpu_count(), "points": points,
+           "num_prompts": a.num_prompts, "concurrency_per_replica": a.concurrency_per_replica, "cores": os.cpu_count(), "points": points,
            "command": "python -m infer.bench.replica_scaling " + " ".join(argv if argv is not None else
                                                                          __import__("sys").argv[1:])}
     path = a.out / "replica_scaling.json"
