@@ -190,8 +190,12 @@ def plot(pairs: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.6), squeeze=False)
-    for ax, r in zip(axes[0], pairs):
+    cols = min(3, len(pairs))  # the six pairs: two rows of three
+    rows = -(-len(pairs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(pairs):]:
+        ax.set_visible(False)
+    for ax, r in zip(axes.flat, pairs):
         for lab, color in zip(LABELS, ("#888888", "#4878d0", "#d65f5f")):
             pts = [p for p in r["points"][lab] if p["norm_latency_mean"] is not None]
             ax.plot([p["rate"] for p in pts], [1e3 * p["norm_latency_mean"] for p in pts], "o-", color=color, label=lab)
