@@ -62,10 +62,11 @@ class ServerThread:
         assert not self.thread.is_alive()
 
 
-def start(model_dir: Path, max_waiting: int = 256, api_key: str | None = None, **engine_kw):
+def start(model_dir: Path, max_waiting: int = 256, api_key: str | None = None, stream_interval: int = 1,
+          **engine_kw):
     model = load_pretrained(model_dir)
     engine = LLMEngine(model, EngineConfig(**{"max_batch_size": 16, **engine_kw}), load_tokenizer(model_dir))
-    aeng = AsyncEngine(engine, max_waiting=max_waiting)
+    aeng = AsyncEngine(engine, max_waiting=max_waiting, stream_interval=stream_interval)
     return ServerThread(build_app(aeng, NAME, api_key=api_key, max_request_bytes=64 * 1024)), aeng
 
 
@@ -155,6 +156,32 @@ def test_completion_streaming_equals_nonstreaming(client):
     assert [d for ch in body for d in ch.choices[0].exit_depths] == full.exit_depths
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(full.token_ids)
     assert all(ch.usage is None for ch in body)  # usage once, in the final chunk (vLLM's, OpenAI's)
+
+
+def test_stream_interval_sends_fewer_chunks_same_tokens(model_dir, client, capsys):
+    """--stream-interval 4: the first token at once (TTFT), then chunks of >= 4 tokens (the last may
+    hold fewer); the concatenated stream equals the unstreamed answer."""
+    kw = dict(model=NAME, prompt="The lazy dog", max_tokens=21, temperature=0)
+    full = client.completions.create(**kw).choices[0]
+    srv, aeng = start(model_dir, stream_interval=4)
+    try:
+        c4 = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        body = [ch for ch in c4.completions.create(**kw, stream=True) if ch.choices]
+        assert [t for ch in body for t in ch.choices[0].token_ids] == full.token_ids
+        assert [d for ch in body for d in ch.choices[0].exit_depths] == full.exit_depths
+        assert "".join(ch.choices[0].text for ch in body) == full.text
+        sizes = [len(ch.choices[0].token_ids) for ch in body]
+        assert all(n >= 4 for n in sizes[1:-1]), sizes
+        assert len(body) <= 1 + -(-(len(full.token_ids) - 1) // 4), sizes  # vs 21 chunks at interval 1
+        assert c4.completions.create(**kw).choices[0].token_ids == full.token_ids  # unstreamed: unchanged
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncEngine(aeng.engine, stream_interval=0)
+    from infer.serving.cli import main
+    with pytest.raises(SystemExit):  # refused before any weights load
+        main(["--model", "no-such-dir", "--stream-interval", "0"])
+    assert "--stream-interval must be >= 1" in capsys.readouterr().err
 
 
 def test_stop_strings_and_token_ids(client):

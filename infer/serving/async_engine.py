@@ -55,12 +55,17 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_tokens: int = 0
     finished: bool = False
+    interval: int = 1  # --stream-interval: tokens per delta after the first (the last may have fewer)
+    started: bool = False  # a delta with tokens went out: the first goes at once (clients time TTFT by it)
 
     async def next(self) -> Delta:
-        """The next delta, merged with any others already queued (one SSE chunk under backpressure)."""
+        """The next delta, merged with any others already queued (one SSE chunk under backpressure),
+        and, after the first token, with later ones until it holds `interval` tokens or ends: each
+        chunk costs host CPU (JSON, HTTP, and under Ray a Serve object per hop) whatever it holds."""
         d = await self.queue.get()
-        while not d.done and not self.queue.empty():
-            d = merge(d, self.queue.get_nowait())
+        while not d.done and (not self.queue.empty() or (self.started and len(d.token_ids) < self.interval)):
+            d = merge(d, self.queue.get_nowait() if not self.queue.empty() else await self.queue.get())
+        self.started = self.started or bool(d.token_ids)
         if d.done:
             self.finished = True
         return d
@@ -86,8 +91,13 @@ class _Pub:  # per-request publishing state (engine thread)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, rate_window_s: float = 10.0):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, rate_window_s: float = 10.0,
+                 stream_interval: int = 1):
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed chunk), "
+                             f"got {stream_interval!r}")
         self.engine, self.tokenizer = engine, engine.tokenizer
+        self.stream_interval = stream_interval
         # the one context length of every layer: the checkpoint's context capped by what the KV pool
         # holds (resolved once by the engine); prompt checks and default max_tokens use it
         self.max_model_len = engine.max_model_len
@@ -145,7 +155,7 @@ class AsyncEngine:
             raise Overloaded(f"the server is at capacity: {len(self.not_started)} requests are already waiting "
                              f"for a free slot / KV memory (limit --max-waiting {self.max_waiting}); retry later")
         rid = uuid.uuid4().hex
-        stream = RequestStream(rid)
+        stream = RequestStream(rid, interval=self.stream_interval)
         fut = self.loop.create_future()
         self.streams[rid] = stream
         self.not_started.add(rid)

@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("LOOPLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $LOOPLM_API_KEY)")
     s.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a slot before 503")
+    s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per streamed chunk after the first (vLLM's name): N > 1 sends fewer, larger chunks, "
+                        "cutting the host CPU per token (HTTP, JSON, Ray hops) at a coarser inter-chunk latency")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20)
     s.add_argument("--limit-concurrency", type=int, default=None, help="open connections before 503 (uvicorn)")
     s.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
@@ -106,8 +109,8 @@ def make_server(a: argparse.Namespace, emulate=None):
         torch.set_num_threads(a.threads)
     engine = make_engine(a, emulate)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
-    app = build_app(AsyncEngine(engine, max_waiting=a.max_waiting), name, a.api_key, a.max_request_bytes,
-                    echo_logprobs_depth=a.echo_logprobs_depth)
+    aeng = AsyncEngine(engine, max_waiting=a.max_waiting, stream_interval=a.stream_interval)
+    app = build_app(aeng, name, a.api_key, a.max_request_bytes, echo_logprobs_depth=a.echo_logprobs_depth)
     sock = bind(a.host, a.port)
     config = uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.drain_timeout,
                             limit_concurrency=a.limit_concurrency, access_log=False)
@@ -116,7 +119,10 @@ def make_server(a: argparse.Namespace, emulate=None):
 
 def main(argv: list[str] | None = None, emulate=None) -> None:
     """`emulate`: see make_engine."""
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    if a.stream_interval < 1:  # before any weights load or Ray starts
+        p.error(f"--stream-interval must be >= 1 (tokens per streamed chunk), got {a.stream_interval}")
     if a.replicas is not None:  # Ray is imported on this path only
         from .replicas import main as replicas_main
         # each replica builds its engine as this process would (an emulated device included)

@@ -83,7 +83,7 @@ class Replica:
             model, tok = load_model(a.model, a.dtype, a.device, a.r_max, getattr(a, "load_format", "auto"),
                                     getattr(a, "layer_split", None))
             engine = LLMEngine(model, engine_config_from_args(a), tok)
-        self.aeng = AsyncEngine(engine, max_waiting=a.max_waiting)
+        self.aeng = AsyncEngine(engine, max_waiting=a.max_waiting, stream_interval=a.stream_interval)
         self.app = build_app(self.aeng, served_name(a), a.api_key, a.max_request_bytes,
                              echo_logprobs_depth=a.echo_logprobs_depth)
         self.aeng.start()
