@@ -16,10 +16,10 @@ import re
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 
-from infer.bench.online import (POLICY_ARGS, Result, make_prompt, one_request, run_rate, sample_lengths,
+from infer.bench.online import (POLICY_ARGS, Result, make_prompt, one_request, run_rate, sample_lengths, session,
                                 server_info, start_server, stop_server, summarize)
 
 MAX_DURATION = 3600.0
@@ -30,8 +30,9 @@ def scrape(text: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-async def metrics(client: httpx.AsyncClient, url: str) -> str:
-    return (await client.get(url + "/metrics", timeout=10)).text
+async def metrics(client: aiohttp.ClientSession, url: str) -> str:
+    async with client.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        return await r.text()
 
 
 async def soak(url: str, model: str, vocab: int, lengths: list[tuple[int, int]], rate: float, duration: float,
@@ -41,8 +42,7 @@ async def soak(url: str, model: str, vocab: int, lengths: list[tuple[int, int]],
     mem: list[tuple[float, float]] = []
     shed = 0
     tasks: set[asyncio.Task] = set()
-    limits = httpx.Limits(max_connections=max_inflight + 8, max_keepalive_connections=max_inflight + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(duration + drain, connect=30), limits=limits) as client:
+    async with session(max_inflight + 8) as client:
         t0 = time.perf_counter()
         t_next, next_mem = t0, t0
         i = 0
