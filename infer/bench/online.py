@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     for lab in labels if a.model else []:
         if lab not in POLICY_ARGS:
             raise SystemExit(f"unknown policy {lab!r}; choose from {sorted(POLICY_ARGS)}")
+    if a.max_concurrency is not None and a.max_concurrency < 1:  # before any server starts
+        raise SystemExit(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
     a.out.mkdir(parents=True, exist_ok=True)
     summary = {"model": a.model or a.base_url, "rates": rates, "num_prompts": a.num_prompts, "dataset": a.dataset,
                "length_scale": a.length_scale, "burstiness": a.burstiness, "server_args": a.server_args,

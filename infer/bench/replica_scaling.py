@@ -7,15 +7,16 @@ On an emulated device the engine's compute is a wait (the cost model's stage tim
 scale is the host: the ingress (HTTP in, a Serve handle call per request, the response streamed
 back), each replica (its HTTP app, the async engine, the scheduler, the output processor and the
 detokenizer) and the client. Each point starts the server, sends every prompt at once (a rate that
-saturates one replica: nothing waits on arrivals) with at most `--concurrency-per-replica` x replicas in
-flight (a closed loop: each replica's batch stays full with a batch's worth waiting, inside its
+saturates one replica: nothing waits on arrivals) with at most `--concurrency-per-replica` x replicas
+in flight (a closed loop: each replica's batch stays full with a batch's worth waiting, inside its
 admission limit, max_batch_size + --max-waiting; past that the single server answers 429 and Ray
-Serve's router queues and backs off, so an unbounded burst measured the overload path), streams the answers like the online bench
-(infer/bench/online.py's client) and reads, from /proc, the CPU seconds each part burnt during the
-run: the ingress process, the replica actors (`ray::ServeReplica`), the rest of Ray (GCS, raylet,
-Serve controller) and the client (this process). CPU per output token, times the tokens/s, says
-how many cores a part needs at that throughput: when the parts' sum reaches the machine's cores the
-host, not the emulated device, bounds the scaling.
+Serve's router queues and backs off, so an unbounded burst measured the overload path), streams the
+answers like the online bench (infer/bench/online.py's client) and reads, from /proc, the CPU
+seconds each part burnt during the run: the ingress process, the replica actors
+(`ray::ServeReplica`), the rest of Ray (GCS, raylet, Serve controller) and the client (this
+process). CPU per output token, times the tokens/s, says how many cores a part needs at that
+throughput: when the parts' sum reaches the machine's cores the host, not the emulated device,
+bounds the scaling.
 
 Averages over a run hide a part that saturates only in steady state (the ramp and the tail are
 idle), so a sampler also reads every process's CPU and the machine's /proc/stat (busy, and steal:
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/replicas"))
     a = p.parse_args(argv)
+    if a.concurrency_per_replica < 1:  # before any server starts
+        p.error(f"--concurrency-per-replica must be >= 1, got {a.concurrency_per_replica}")
     a.out.mkdir(parents=True, exist_ok=True)
     lengths = online.sample_lengths(a.num_prompts, a.seed, a.dataset, 4096, 0, 0, a.length_scale, None)
     points = []
@@ -224,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     for pt in points:
         pt["throughput_ratio"] = pt["output_throughput"] / base
     out = {"model": a.model, "device": a.device, "dataset": a.dataset, "length_scale": a.length_scale,
-           "num_prompts": a.num_prompts, "concurrency_per_replica": a.concurrency_per_replica, "cores": os.cpu_count(), "points": points,
+           "num_prompts": a.num_prompts, "concurrency_per_replica": a.concurrency_per_replica,
+           "cores": os.cpu_count(), "points": points,
            "command": "python -m infer.bench.replica_scaling " + " ".join(argv if argv is not None else
                                                                          __import__("sys").argv[1:])}
     path = a.out / "replica_scaling.json"
