@@ -16,7 +16,7 @@ lookahead=True), and, where the checkpoint carries them (train/distill_gate.py),
 (criterion lookahead_gate) and `preloop`. Each runs every threshold of `--thresholds` (r_min 1) on
 the same records (policy cdb, batch 128) under each layout of `--kv-layouts`, beside one full-depth
 CB run per layout. Per point: the exact work of the run against that CB run (`compute_ratio`,
-`weight_traffic_ratio`: infer/bench/work.py, from the engine's trace; they depend only on the
+`weight_traffic_ratio`: infer/sim/work.py, from the engine's trace; they depend only on the
 requests and the exit depths) and the measured `speedup_vs_cb` (output tokens per second over CB's;
 single runs on this machine, noisy, no interval).
 
@@ -38,7 +38,7 @@ import numpy as np
 import yaml
 
 from eval.lab import run
-from infer.bench.work import ratios, work_counts
+from infer.sim.work import ratios, work_counts
 from train.tasks.hops import generate
 
 GATES = {"stock": {}, "stock_late": {"lookahead": True}, "lookahead_head": {"exit_criterion": "lookahead_gate"},

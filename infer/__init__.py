@@ -1,7 +1,8 @@
 """The Continuous Depth Batching inference engine: `from infer import LLM, SamplingParams`.
 
-Subpackages: `engine/` (the core: scheduler, runner, stages, reference decoder), `serving/` (the
-OpenAI-compatible server), `bench/` (benchmarks, bounds, latency model, simulator)."""
+Subpackages: `engine/` (the core: scheduler, runner, stages, reference decoder), `sim/` (the virtual
+device: cost models, the simulator, the emulated device, and the workloads and summaries the
+benchmarks share), `serving/` (the OpenAI-compatible server), `bench/` (the measurement CLIs)."""
 import importlib
 
 _EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling", "LLMEngine": "engine.llm_engine",

@@ -8,7 +8,7 @@ Part 1, real structure. A stage of a 2M-parameter demo model costs its fixed per
 its FLOPs, so on it the noise and the per-stage overhead decide whether CDB beats CB. Part 1 therefore runs Ouro's structure at a size where a core step costs
 milliseconds (the `ouro-mini` preset, dummy weights: no download) and gives it real per-token exit
 depths: those of the trained checkpoints/ouro-demo, recorded once on the same requests
-(infer/bench/replay.py). Per workload it prints CDB's speedup over CB as the median of paired
+(infer/sim/replay.py). Per workload it prints CDB's speedup over CB as the median of paired
 interleaved repeats with a 95% bootstrap interval and a verdict (faster / slower / within noise),
 the exact work ratio (FLOPs and weight bytes over CB's: the same on any machine), the bound S_e2e
 and the fraction of it reached, and the simulator's H100 prediction for Ouro-1.4B from the same
@@ -105,9 +105,10 @@ def real_structure(a, workloads: list[str], n: int, repeats: int, bar, out: Path
     import io
     import json
 
-    from infer.bench import replay as RP, sim
+    from infer.sim import replay as RP
+    from infer.sim.__main__ import main as sim_main
     from infer.bench.offline import bench_workload, modes_for, record_workload, write_recorded
-    from infer.bench.report import format_table, model_meta, write_outputs
+    from infer.sim.report import format_table, model_meta, write_outputs
     from infer.engine.llm import load_model
 
     src = str(CHECKPOINTS["ouro"])
@@ -129,7 +130,7 @@ def real_structure(a, workloads: list[str], n: int, repeats: int, bar, out: Path
             "command": "python -m scripts.demo"}
     paths = write_outputs(blocks, meta, out, a.real_preset)
     with contextlib.redirect_stdout(io.StringIO()):  # the simulator's own tables: in its JSON
-        sim.main(["--model", "ouro-1.4b", "--replay-exits", str(exits), "--ks", "1", "--out", str(out / "sim")])
+        sim_main(["--model", "ouro-1.4b", "--replay-exits", str(exits), "--ks", "1", "--out", str(out / "sim")])
     simj = json.loads((out / "sim" / f"sim_ouro-1.4b_replay_{exits.stem}.json").read_text())
     sims = {b["workload"]["workload"]: b for b in simj["workloads"]}
     lines = [f"\n##### Part 1: real structure. {a.real_preset} ({model.cfg.name}, dummy float32 weights) with the exit "
@@ -148,7 +149,7 @@ def lab_tradeoff(repeats: int, thresholds=LAB_THRESHOLDS, n: int = 64) -> list[s
     match and tokens/s for CB at full depth and CDB at a few exit thresholds, repeats interleaved,
     each CDB setting's speedup over CB with its interval."""
     from eval.lab import run
-    from infer.bench.offline import ratio_interval
+    from infer.sim.stats import ratio_interval
     from infer.engine.llm import LLM
     from train.tasks.hops import generate
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from infer.bench.offline import bench_workload, modes_for
-    from infer.bench.report import format_table, model_meta, write_outputs
+    from infer.sim.report import format_table, model_meta, write_outputs
     from infer.engine.llm import load_model
 
     if a.threads:

@@ -5,7 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from infer.bench import bounds, latency, sim, workloads
+from infer.sim import bounds, latency, workloads
+from infer.sim.cost import Call, FittedCost, RooflineCost, h100_kv_tokens
+from infer.sim.runner import SimModel, SimRunner, binomial_depths, depths_from_distribution
+from infer.sim.simulate import replay_fitted, simulate, simulate_mode
 from infer.engine.sequence import Stage
 from looplm.presets import paper_config
 from infer.bench import offline as bench
@@ -161,7 +164,7 @@ def test_bench_json_has_every_field(bench_json):
     assert "full_depth_vs_cb" in blk and blk["workload"]["scale"] == 0.2
     # the saved trace feeds the latency CLI and the simulator's replay with the fitted cost model
     latency.main(["fit", str(out / "trace_ouro-tiny.json")])
-    blocks = sim.replay_fitted(out / "trace_ouro-tiny.json")
+    blocks = replay_fitted(out / "trace_ouro-tiny.json")
     assert [r["mode"] for r in blocks[0]["results"]] == modes
     assert all(r["measured_tokens_per_s"] > 0 and r["output_tokens"] == cb["output_tokens"] for r in blocks[0]["results"])
 
@@ -187,39 +190,39 @@ def test_sim_with_fitted_cost_reproduces_a_measured_run():
         raw = bench.run_mode(m, None, reqs, mode, base)
         fits = latency.fit_trace(raw["trace"])
         per_step = (raw["seconds"] - raw["traced_seconds"]) / raw["steps"]
-        s = sim.simulate_mode(m.cfg, reqs, mode, sim.FittedCost(fits, per_step), raw["exit_depths"], max_batch_size=4,
+        s = simulate_mode(m.cfg, reqs, mode, FittedCost(fits, per_step), raw["exit_depths"], max_batch_size=4,
                               kv_cache_tokens=4 * m.cfg.max_position)
         assert s["steps"] == raw["steps"]
         assert {k: v["calls"] for k, v in s["stages"].items()} == {k: v["calls"] for k, v in raw["stages"].items()}
         assert s["exit_depths"] == raw["exit_depths"]
         key = ("stage", "batch", "padded", "context")
         assert [[r[k] for k in key] for r in s["trace"]] == [[r[k] for k in key] for r in raw["trace"]]
-        cost = sim.FittedCost(fits, per_step)
-        expected = sum(cost(sim.Call(Stage(r["stage"]), r["batch"], r["padded"], r["tokens"], r["context"]))
+        cost = FittedCost(fits, per_step)
+        expected = sum(cost(Call(Stage(r["stage"]), r["batch"], r["padded"], r["tokens"], r["context"]))
                        for r in raw["trace"])
         assert s["seconds"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_sim_depths_and_lookahead():
     cfg = paper_config("ouro-1.4b")
-    probs = sim.binomial_depths(4, 2.5)
+    probs = binomial_depths(4, 2.5)
     assert sum(probs.values()) == pytest.approx(1) and sum(d * p for d, p in probs.items()) == pytest.approx(2.5)
     reqs = workloads.make_requests("alpaca", 6, seed=0, scale=0.5, max_model_len=cfg.max_position, vocab_size=100)
-    depths = sim.depths_from_distribution(probs, reqs, seed=0)
-    cost = sim.RooflineCost(cfg)
+    depths = depths_from_distribution(probs, reqs, seed=0)
+    cost = RooflineCost(cfg)
     mode = {"name": "cdb_refill_k1", "policy": "cdb", "refill": True, "min_coda_batch": 1}
-    r = sim.simulate_mode(cfg, reqs, mode, cost, depths, max_batch_size=8, kv_cache_tokens=8 * 4096)
+    r = simulate_mode(cfg, reqs, mode, cost, depths, max_batch_size=8, kv_cache_tokens=8 * 4096)
     assert r["exit_depths"] == [[4] + d[1:] for d in depths]  # every token left at its drawn depth
-    la = sim.simulate_mode(cfg, reqs, mode, cost, depths, max_batch_size=8, kv_cache_tokens=8 * 4096, lookahead=True)
+    la = simulate_mode(cfg, reqs, mode, cost, depths, max_batch_size=8, kv_cache_tokens=8 * 4096, lookahead=True)
     assert la["exit_depths"] == [[4] + [max(2, x) for x in d[1:]] for d in depths]
 
 
 def test_sim_h100_roofline_orders_the_modes():
     cfg = paper_config("ouro-1.4b")
     reqs = workloads.make_requests("alpaca", 24, seed=0, max_model_len=cfg.max_position, vocab_size=100)
-    depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
-    blk = sim.simulate(cfg, reqs, sim.RooflineCost(cfg), depths, bench.modes_for([1]), workload="alpaca",
-                       max_batch_size=16, kv_cache_tokens=sim.h100_kv_tokens(cfg))
+    depths = depths_from_distribution(binomial_depths(4, 2.5), reqs)
+    blk = simulate(cfg, reqs, RooflineCost(cfg), depths, bench.modes_for([1]), workload="alpaca",
+                       max_batch_size=16, kv_cache_tokens=h100_kv_tokens(cfg))
     by = {r["mode"]: r for r in blk["results"]}
     assert by["cdb_refill_k1"]["speedup_vs_cb"] > 1.1
     assert by["cdb_refill_k1"]["fraction_of_bound"] <= 1.02
@@ -257,7 +260,7 @@ def test_make_demo_real_structure_part(tmp_path, capsys):
 
 
 def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
-    """python -m infer.bench_host on the current engine (it once broke silently when the engine's
+    """python -m infer.bench.host on the current engine (it once broke silently when the engine's
     defaults changed): every stage kind has median and p90, attention rows are counted."""
     import json
 
@@ -293,12 +296,12 @@ def test_sim_charges_swaps_at_pcie_bandwidth():
 
     cfg = paper_config("ouro-1.4b")
     reqs = [workloads.Request([3 + i] * 20, 30, 20, 30) for i in range(8)]
-    depths = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs)
+    depths = depths_from_distribution(binomial_depths(4, 2.5), reqs)
     runs = []
     for bw in (1e10, 1e30):
-        eng = LLMEngine(sim.SimModel(cfg), EngineConfig(kv_cache_tokens=160, watermark=0.0, max_batch_size=8,
+        eng = LLMEngine(SimModel(cfg), EngineConfig(kv_cache_tokens=160, watermark=0.0, max_batch_size=8,
                                                          exit_criterion="learned", exit_threshold=0.5),
-                        runner_cls=partial(sim.SimRunner, cost=sim.RooflineCost(cfg), depths=depths, pcie_bandwidth=bw))
+                        runner_cls=partial(SimRunner, cost=RooflineCost(cfg), depths=depths, pcie_bandwidth=bw))
         for i, r in enumerate(reqs):
             eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
                             request_id=str(i))

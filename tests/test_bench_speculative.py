@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer.bench import speculative as S
-from infer.bench.sim import load_acceptance
+from infer.sim.simulate import load_acceptance
 
 from helpers import THRESHOLD, model
 

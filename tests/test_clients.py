@@ -276,7 +276,7 @@ BAD = [  # (command, the text the one error line must contain)
     (["infer.serve", "--model", str(DEMO), "--exit-threshold", "5"], "exit_threshold"),
     (["infer.bench", "--model", "{trunc}"], "model.safetensors"),
     (["infer.sim", "--model", "ouro-tiny", "--fitted", "/no/such/fit.json"], "/no/such/fit.json"),
-    (["infer.bench_online", "--model", "/no/such/folder", "--rates", "1"], "/no/such/folder"),
+    (["infer.bench.online", "--model", "/no/such/folder", "--rates", "1"], "/no/such/folder"),
     (["eval", "run", "--model", "looped", "--model_args", "pretrained={llama}", "--device", "cpu", "--tasks",
       "looped_cloze"], "model_type 'llama'"),
     (["eval.sweep", "run", "{sweep}"], "missing.yaml"),

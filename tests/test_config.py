@@ -6,7 +6,8 @@ import random
 import pytest
 
 from infer import EngineConfig, LLMEngine, SamplingParams
-from infer.bench import latency, sim
+from infer.sim import latency
+from infer.sim.__main__ import main as sim_main
 from looplm import tiny_model
 
 from helpers import model, run_staggered
@@ -85,13 +86,13 @@ def test_max_launch_tokens_bounds_every_launch(kw):
 
 
 def test_clis_take_the_engine_flags(tmp_path, capsys):
-    """infer.latency and infer.sim build their engine flags from EngineConfig (add_engine_args) and
+    """infer.sim.latency and infer.sim build their engine flags from EngineConfig (add_engine_args) and
     run the layout the flags resolve to (the checkpoint's by default)."""
     latency.main(["sweep", "--model", "ouro-tiny", "--batch-sizes", "1", "--contexts", "8", "--repeats", "1",
                   "--kv-layout", "shared", "--block-size", "8", "--out", str(tmp_path)])
     rows = latency.sweep(tiny_model("ouro-tiny", kv_layout="shared"), [1], [8], repeats=1)
     assert rows and rows[0]["stage"] == "core"
-    sim.main(["--model", "ouro-1.4b", "--workloads", "alpaca", "--num-requests", "3", "--ks", "1", "--kv-layout",
+    sim_main(["--model", "ouro-1.4b", "--workloads", "alpaca", "--num-requests", "3", "--ks", "1", "--kv-layout",
               "shared", "--max-prefill-tokens", "512", "--out", str(tmp_path)])
     import json
     out = json.loads(next(tmp_path.glob("sim_*.json")).read_text())
@@ -99,12 +100,12 @@ def test_clis_take_the_engine_flags(tmp_path, capsys):
     assert ec["kv_layout"] == "shared" and ec["max_prefill_tokens"] == 512
 
 
-@pytest.mark.parametrize("module,argv", [("infer.bench.offline", []), ("infer.bench.sim", []),
+@pytest.mark.parametrize("module,argv", [("infer.bench.offline", []), ("infer.sim.__main__", []),
                                          ("infer.serving.cli", []), ("infer.bench.memory", []),
-                                         ("infer.bench.latency", ["sweep"])])
+                                         ("infer.sim.latency", ["sweep"])])
 def test_every_cli_parses_its_engine_flags(module, argv, capsys):
     """Each CLI with engine flags (its own + add_engine_args) builds them without a conflict and
-    lists them in its help. (infer.bench_online passes --server-args to infer.serve.)"""
+    lists them in its help. (infer.bench.online passes --server-args to infer.serve.)"""
     import importlib
     with pytest.raises(SystemExit) as e:
         importlib.import_module(module).main(argv + ["--help"])

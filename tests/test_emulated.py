@@ -1,4 +1,4 @@
-"""The emulated device (infer/bench/emulated.py): the real engine and server on a device that only
+"""The emulated device (infer/sim/emulated.py): the real engine and server on a device that only
 waits for the simulator's predicted stage times. Checks: the Runner protocol; the engine's rules
 (max_tokens, depths within [r_min, r_max], replayed depths equal to the file's); no weights read;
 the wall time at least the predicted device time and close to it; the OpenAI routes (streaming
@@ -15,10 +15,11 @@ import httpx
 import openai
 import pytest
 
-from infer.bench import emulated as E
-from infer.bench import replay as RP
-from infer.bench import sim
-from infer.bench.workloads import make_requests
+from infer.sim import emulated as E
+from infer.sim import replay as RP
+from infer.sim.runner import binomial_depths, depths_from_distribution
+from infer.sim.simulate import simulate_mode
+from infer.sim.workloads import make_requests
 from infer.engine.runner import Runner
 from infer.engine.sampling import SamplingParams
 from infer.serving.async_engine import AsyncEngine
@@ -82,9 +83,9 @@ def test_wall_time_waits_for_the_predicted_time_and_matches_the_simulator():
     assert wall >= predicted * 0.999 and wall <= 1.5 * predicted + 0.5, (wall, predicted)
     assert eng.runner.waited > 0.5 * predicted and cpu < wall  # it slept, it did not spin
     # the same run on the simulator's virtual clock: the same predicted seconds and depths
-    depths = sim.depths_from_distribution(sim.binomial_depths(cfg.r_max, 2.5), reqs, 0)
+    depths = depths_from_distribution(binomial_depths(cfg.r_max, 2.5), reqs, 0)
     cost = eng.runner.cost
-    raw = sim.simulate_mode(cfg, reqs, {"name": "cdb", "policy": "cdb"}, cost, depths, max_batch_size=16,
+    raw = simulate_mode(cfg, reqs, {"name": "cdb", "policy": "cdb"}, cost, depths, max_batch_size=16,
                             kv_cache_tokens=eng.config.kv_cache_tokens)
     assert raw["seconds"] == pytest.approx(predicted, rel=1e-9)
     assert [o.exit_depths for o in outs] == raw["exit_depths"]
@@ -107,7 +108,7 @@ def test_slowdown_stretches_the_wall_clock_not_the_device_clock():
 
 
 def test_preemption_swaps_are_waited_for():
-    from infer.bench.workloads import Request
+    from infer.sim.workloads import Request
     eng = E.emulated_engine("ouro-1.4b", H100, {"kv_cache_tokens": 160, "watermark": 0.0, "max_batch_size": 8},
                             by_index=True)
     eng.runner.pcie_bandwidth = 1e9  # slow copies: the swaps' share of the time is visible
@@ -151,9 +152,9 @@ def test_replayed_depths_equal_the_file():
 
 
 def test_depth_sources():
-    d = E.DrawnDepths(sim.binomial_depths(4, 2.5), seed=3)
+    d = E.DrawnDepths(binomial_depths(4, 2.5), seed=3)
     reqs = make_requests("alpaca", 3, seed=0, max_model_len=512, vocab_size=300)
-    want = sim.depths_from_distribution(sim.binomial_depths(4, 2.5), reqs, 3)
+    want = depths_from_distribution(binomial_depths(4, 2.5), reqs, 3)
     assert [[d(str(i), j) for j in range(len(w))] for i, w in enumerate(want)] == want
     r = E.ReplayedDepths([[4, 1, 2], [4, 3]])
     assert [r("a", 1), r("b", 1), r("c", 1), r("a", 2), r("a", 3), r("a", 4)] == [1, 3, 1, 2, 1, 2]
@@ -172,8 +173,8 @@ def test_refusals_name_the_problem():
     with pytest.raises(ParamError, match="r_max"):
         E.emulated_engine("huginn-3.5b", H100, replay_exits=EXITS)  # recorded at r_max 4, Huginn loops 16
     from infer.serving.cli import make_engine, parser
-    with pytest.raises(ParamError, match="infer.serve"):
-        make_engine(parser().parse_args(["--model", "ouro-1.4b", "--device", H100]))
+    # serving builds the emulated device itself (no builder passed in by python -m infer.serve)
+    assert make_engine(parser().parse_args(["--model", "ouro-1.4b", "--device", H100])).runner.device_info["device"] == H100
     with pytest.raises(ParamError, match="emulated device"):
         make_engine(parser().parse_args(["--model", "ouro-tiny", "--mean-depth", "2"]))
 
@@ -253,7 +254,7 @@ def test_server_replays_recorded_depths_in_arrival_order():
 def test_offline_bench_json_says_emulated(tmp_path):
     from infer.bench.offline import main
     main(["--model", "ouro-1.4b", "--device", H100, "--workloads", "alpaca", "--num-requests", "6", "--ks", "1",
-          "--repeats", "1", "--no-full-depth", "--out", str(tmp_path)], emulate=E.bench_emulated)
+          "--repeats", "1", "--no-full-depth", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench_ouro-1.4b_emulated-h100.json").read_text())
     assert data["emulated"] is True and data["device"]["device"] == H100 and data["params"] == 0
     for r in data["workloads"][0]["results"]:
@@ -263,11 +264,12 @@ def test_offline_bench_json_says_emulated(tmp_path):
     assert by["cdb_refill_k1"]["speedup_vs_cb"] > 1  # mean depth 2.5 of 4
 
 
-def test_offline_bench_refuses_emulation_without_the_entry_point(tmp_path, capsys):
+def test_offline_bench_refuses_recording_exits_on_an_emulated_device(tmp_path, capsys):
     from infer.bench.offline import main
     with pytest.raises(SystemExit):
-        main(["--model", "ouro-1.4b", "--device", H100, "--out", str(tmp_path)])
-    assert "python -m infer.bench" in capsys.readouterr().err
+        main(["--model", "ouro-1.4b", "--device", H100, "--record-exits", str(tmp_path / "x.json"),
+              "--out", str(tmp_path)])
+    assert "--record-exits" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # starts python -m infer.serve

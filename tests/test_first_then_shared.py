@@ -282,18 +282,19 @@ def test_simulator_prices_fills_of_skipped_private_slots_only():
     at d >= S (last_exited: r_max - d)."""
     from functools import partial
 
-    from infer.bench import sim
+    from infer.engine.sequence import Stage
+    from infer.sim.runner import SimModel, SimRunner
     depths = [4, 1, 3, 2, 4, 1]
     for layout, want in ((FTS, [1, 0, 0, 0, 1]), (f"{FTS}:3", [2, 0, 1, 0, 2]), ("last_exited", [3, 1, 2, 0, 3]),
                          ("shared", [0] * 5)):
         filled = []
 
         def cost(c):
-            if c.stage is sim.Stage.CODA and c.batch:  # decode items (not a prompt's first token)
+            if c.stage is Stage.CODA and c.batch:  # decode items (not a prompt's first token)
                 filled.append(c.filled)
             return 1e-3
-        eng = LLMEngine(sim.SimModel(model("ouro-tiny").cfg), EngineConfig(kv_layout=layout, kv_cache_tokens=64),
-                        runner_cls=partial(sim.SimRunner, cost=cost, depths=[depths]))
+        eng = LLMEngine(SimModel(model("ouro-tiny").cfg), EngineConfig(kv_layout=layout, kv_cache_tokens=64),
+                        runner_cls=partial(SimRunner, cost=cost, depths=[depths]))
         eng.add_request([1, 2], SamplingParams(max_tokens=len(depths), ignore_eos=True), request_id="0")
         while eng.has_unfinished():
             eng.step()

@@ -1,8 +1,10 @@
 """The project's import graph (read with `ast`, every import statement, function-local ones included):
 no cycle between modules, and the layers point one way:
 
-    looplm (model math, config)  <  kv_layouts  <  infer.engine  <  infer.serving, infer.bench, train
-    <  eval, the `python -m infer.<name>` entry modules  <  scripts
+    looplm (model math, config)  <  kv_layouts  <  infer.engine, train  <  infer.sim (the virtual device)
+    <  infer.serving, infer.bench  <  eval, the `python -m infer.serve` entry module  <  scripts
+
+Serving and bench are one level: neither imports the other.
 
 `train/` never imports `infer/` (BLUEPRINT section 1)."""
 import ast
@@ -10,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("looplm", "kv_layouts", "infer", "eval", "train", "scripts")
-LAYERS = {"looplm": 0, "kv_layouts": 1, "infer.engine": 2, "infer.serving": 3, "infer.bench": 3, "train": 3,
-          "eval": 4, "infer": 4, "scripts": 5}
+LAYERS = {"looplm": 0, "kv_layouts": 1, "infer.engine": 2, "train": 2, "infer.sim": 3, "infer.serving": 4,
+          "infer.bench": 4, "eval": 5, "infer": 5, "scripts": 6}
 
 
 def modules() -> dict[str, Path]:

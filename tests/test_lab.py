@@ -109,7 +109,7 @@ def test_checkpoint_needs_its_loops():
 def test_lengths_trace_is_the_heldout_split_and_benches():
     """eval/tasks/data/lab_hops_lengths.csv (the lab sweep's bench workload) holds the held-out items'
     prompt and answer (+ EOS) token counts, and a CSV trace builds requests even with a tokenizer."""
-    from infer.bench.workloads import load_trace, make_requests
+    from infer.sim.workloads import load_trace, make_requests
     from looplm.io import load_tokenizer
     from train.lab import encode
     path = ROOT / "eval/tasks/data/lab_hops_lengths.csv"

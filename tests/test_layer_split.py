@@ -136,7 +136,7 @@ def test_presets_and_model_objects_split_their_weights():
 
 
 def test_sim_cli_accepts_the_split_and_its_json_shows_it(tmp_path):
-    from infer.bench.sim import main
+    from infer.sim.__main__ import main
     main(["--model", "huginn-3.5b", "--layer-split", "0-4-0", "--workloads", "alpaca", "--num-requests", "8",
           "--ks", "1", "--host-json", "none", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("sim_*.json")

@@ -1,4 +1,4 @@
-"""Recorded-exit replay (infer/bench/replay.py): recording a live run and replaying it at its own
+"""Recorded-exit replay (infer/sim/replay.py): recording a live run and replaying it at its own
 policy reproduces that run's per-token depths exactly; under replay every CDB mode has the same
 depths; a complete recording (r_min = r_max) replays any threshold; what cannot be derived is
 refused by name."""
@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from infer.bench import offline, replay as RP, sim
+from infer.bench import offline
+from infer.sim import replay as RP
+from infer.sim.__main__ import main as sim_main
 from looplm import ExitPolicy
 from looplm.errors import ParamError
 
@@ -115,7 +117,7 @@ def test_sim_replays_a_recording(tmp_path):
     rec = blk["recorded_exits"]
     RP.write(path, model="ouro-tiny", policy=rec["policy"], model_r_min=1, kv_layout=rec["kv_layout"],
              workloads={"alpaca": {"scale": 0.05, "seed": 1, "requests": rec["requests"]}})
-    sim.main(["--model", "ouro-1.4b", "--replay-exits", str(path), "--replay-threshold", "0.55", "--ks", "1",
+    sim_main(["--model", "ouro-1.4b", "--replay-exits", str(path), "--replay-threshold", "0.55", "--ks", "1",
               "--kv-cache-tokens", "32768", "--max-prefill-tokens", "512",
               "--host-json", "none", "--out", str(tmp_path / "sim")])
     out = json.loads(next((tmp_path / "sim").glob("sim_*.json")).read_text())

@@ -188,7 +188,7 @@ def test_speculation_only_below_the_batch_threshold():
     assert spec(eng)["stages"] > 0  # the stragglers speculated
     phases = {r.get("phase") for r in eng.trace}
     assert phases == {None, "draft", "verify"}
-    from infer.bench.work import work_counts
+    from infer.sim.work import work_counts
     w = work_counts(eng.trace, m.cfg, 8)
     sp = spec(eng)
     assert sum(w["launches"].values()) == len([r for r in eng.trace])
@@ -265,15 +265,17 @@ def test_simulator_models_draft_and_verify_launches(tmp_path):
     """The simulator's speculative stage: with every draft accepted a chunk gives k tokens (fewer
     only at a request's end), with none it gives one; its launches are in the trace (work counts),
     and the projection's acceptance can come from a measured JSON."""
-    from infer.bench import sim
-    from infer.bench.workloads import make_requests
+    from infer.sim.cost import RooflineCost
+    from infer.sim.runner import binomial_depths, depths_from_distribution
+    from infer.sim.simulate import load_acceptance, simulate, speculation_projection
+    from infer.sim.workloads import make_requests
     from looplm.presets import paper_config
     cfg = paper_config("ouro-1.4b")
     reqs = make_requests("sharegpt", 6, seed=1, scale=1.0, max_model_len=2048, vocab_size=cfg.vocab_size)
-    depths = sim.depths_from_distribution(sim.binomial_depths(cfg.r_max, 2.5), reqs, 1)
-    cost = sim.RooflineCost(cfg)
+    depths = depths_from_distribution(binomial_depths(cfg.r_max, 2.5), reqs, 1)
+    cost = RooflineCost(cfg)
     engine = dict(speculative_tokens=4, kv_cache_tokens=200_000)
-    hi, lo = (sim.speculation_projection(cfg, reqs, cost, depths, [1, 4], a, engine) for a in (1.0, 0.0))
+    hi, lo = (speculation_projection(cfg, reqs, cost, depths, [1, 4], a, engine) for a in (1.0, 0.0))
     for r in hi:
         sp = r["on"]["speculative"]
         assert sp["drafted"] > 0 and sp["rejected"] == 0 and sp["acceptance_rate"] > 0.9
@@ -284,7 +286,7 @@ def test_simulator_models_draft_and_verify_launches(tmp_path):
         assert r["on"]["speculative"]["accepted"] == 0 and r["on"]["speculative"]["tokens_per_verification"] == 1.0
         assert r["tpot_speedup"] < 1.0  # drafts that are never accepted cost time
     # the bench JSON's results carry each mode's speculation counters (simulated here: the same summary)
-    blk = sim.simulate(cfg, reqs[:3], cost, depths, [{"name": "cb", "policy": "cb"},
+    blk = simulate(cfg, reqs[:3], cost, depths, [{"name": "cb", "policy": "cb"},
                                                      {"name": "cdb", "policy": "cdb", "refill": True}],
                        workload="sharegpt", speculative_tokens=2, kv_cache_tokens=200_000)
     assert all(r["speculative"]["stages"] > 0 and r["speculative"]["tokens_per_verification"] >= 1
@@ -292,13 +294,13 @@ def test_simulator_models_draft_and_verify_launches(tmp_path):
     f = tmp_path / "m.json"
     f.write_text(json.dumps({"results": [{"speculative": {"drafted": 10, "accepted": 6, "rejected": 2,
                                                           "draft_accept_prob": 0.75}}]}))
-    assert sim.load_acceptance(str(f)) == 0.75 and sim.load_acceptance("0.4") == 0.4
+    assert load_acceptance(str(f)) == 0.75 and load_acceptance("0.4") == 0.4
     with pytest.raises(SystemExit, match="rate"):
-        sim.load_acceptance("1.5")
+        load_acceptance("1.5")
 
 
 def test_emulated_engine_speculates():
-    from infer.bench import emulated as E
+    from infer.sim import emulated as E
     eng = E.emulated_engine("ouro-1.4b", "emulated:h100", {"max_batch_size": 4, "speculative_tokens": 4},
                             mean_depth=2.5)
     eng.runner.acceptance = 0.7

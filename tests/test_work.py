@@ -1,6 +1,7 @@
-"""Exact work counts (infer/bench/work.py): the same bench command gives the same counts, and the
+"""Exact work counts (infer/sim/work.py): the same bench command gives the same counts, and the
 counts are what the exit depths and the requests say they must be."""
 from infer.bench import offline
+from infer.sim import stats
 from looplm import tiny_model
 
 from helpers import model
@@ -45,9 +46,9 @@ def test_huginn_counts_its_prelude_and_coda_layers():
 
 
 def test_speedup_interval_says_what_it_knows():
-    iv = offline.ratio_interval([2.0, 2.1, 1.9, 2.0, 2.2], [1.0, 1.1, 0.9, 1.0, 1.05])
+    iv = stats.ratio_interval([2.0, 2.1, 1.9, 2.0, 2.2], [1.0, 1.1, 0.9, 1.0, 1.05])
     assert iv["verdict"] == "faster" and iv["lo"] > 1.5 and iv["lo"] <= iv["median"] <= iv["hi"]
-    assert offline.ratio_interval([1.0, 1.2, 0.9, 1.1], [1.1, 1.0, 1.0, 1.0])["verdict"] == "within noise"
-    assert offline.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.1, 1.9])["verdict"] == "slower"
+    assert stats.ratio_interval([1.0, 1.2, 0.9, 1.1], [1.1, 1.0, 1.0, 1.0])["verdict"] == "within noise"
+    assert stats.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.1, 1.9])["verdict"] == "slower"
     # the same inputs give the same interval (a fixed bootstrap seed)
-    assert offline.ratio_interval([1, 2, 3], [2, 2, 2]) == offline.ratio_interval([1, 2, 3], [2, 2, 2])
+    assert stats.ratio_interval([1, 2, 3], [2, 2, 2]) == stats.ratio_interval([1, 2, 3], [2, 2, 2])

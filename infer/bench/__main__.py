@@ -1,6 +1,6 @@
+"""`python -m infer.bench`: the offline benchmark (offline.py)."""
 from looplm.cli import run
 
-from .emulated import bench_emulated
 from .offline import main
 
-run(lambda: main(emulate=bench_emulated))
+run(main)

@@ -31,13 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from infer.sim.cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from infer.sim.runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
+from infer.sim.simulate import served_context, simulate_mode
+from infer.sim.workloads import WORKLOADS, make_requests
 from looplm.errors import ParamError
 from looplm.presets import PAPER_MODELS, paper_config
 
 from . import online
-from .sim import ASSUMED_MEAN_DEPTH, HOST_JSON, HostCost, RooflineCost, binomial_depths, depths_from_distribution, \
-    h100_kv_tokens, served_context, simulate_mode
-from .workloads import WORKLOADS, make_requests
 
 LABELS = ("cb", "cdb-norefill", "cdb-refill")
 # the authors' capacity knees, req/s (shells/paper/serving_rate-sweep.sh; issue 26)

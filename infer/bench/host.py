@@ -11,7 +11,7 @@ and CB (fused); every engine step is timed, split into the runner's part and the
 a tokenizer attached, as a server does: every output token is detokenized and checked against
 stop strings.
 
-    python -m infer.bench_host --out docs/figures/bench_host.json
+    python -m infer.bench.host --out docs/figures/bench_host.json
 
 Also reported per decode stage: the attention rows the engine reads (`attention_rows`) against
 the real context sum, i.e. the memory traffic of decode attention relative to the ideal.
@@ -33,9 +33,8 @@ from infer.engine.llm_engine import LLMEngine
 from infer.engine.runner import ModelRunner
 from infer.engine.sampling import SamplingParams
 from infer.engine.sequence import Stage
+from infer.sim.workloads import DATA, load_trace
 from looplm.presets import preset_config
-
-from .workloads import DATA, load_trace
 
 BATCHES = (16, 64, 256)
 MAX_POSITION = 4096
@@ -181,7 +180,7 @@ def detok_bench(n: int = 4000, tokenizer=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m infer.bench_host", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infer.bench.host", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--steps", type=int, default=120, help="engine steps timed per batch size and policy")
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "serving_host_us": {}, "attention": {},
                  "context_mean": {},
-                 "command": "python -m infer.bench_host " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "command": "python -m infer.bench.host " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
                          "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
                          "lowest median; serving_host_us: the same CDB stages with a tokenizer attached (every token "

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         if name == "mixed_chunked":
             kw["max_prefill_tokens"] = a.budget
         if a.engine == "sim":
-            from .sim import RooflineCost, SimModel, SimRunner, binomial_depths, h100_kv_tokens
+            from infer.sim.cost import RooflineCost, h100_kv_tokens
+            from infer.sim.runner import SimModel, SimRunner, binomial_depths
             cfg = paper_config(a.model, max_position=a.prompt_len + 1024)
             probs = binomial_depths(cfg.r_max, 2.5 if cfg.r_max == 4 else cfg.r_max / 2)
             drng = random.Random(a.seed)

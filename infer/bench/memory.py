@@ -5,8 +5,8 @@ the same point). The same pool is run with up-front reservation (`reserve_kv`: p
 at admission) and with blocks on demand (+ preemption by swapping). Prints JSON: mean running
 batch (over engine steps, weighted by stage time), output tok/s, preemptions, swap bytes.
 
-    python -m infer.bench_memory --model ouro-tiny --num-requests 64          # CPU, the demo model
-    python -m infer.bench_memory --model ouro-1.4b --sim --num-requests 400   # simulator, H100 shapes
+    python -m infer.bench.memory --model ouro-tiny --num-requests 64          # CPU, the demo model
+    python -m infer.bench.memory --model ouro-1.4b --sim --num-requests 400   # simulator, H100 shapes
 
 On the simulator a swap costs its bytes (KV blocks + the state slot, each way) at
 `--pcie-bandwidth` on the virtual clock, in series with the stages (`swap_seconds` in the JSON).
@@ -21,10 +21,9 @@ from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_fro
 from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
+from infer.sim.report import ratio_json
+from infer.sim.workloads import make_requests
 from looplm.presets import PAPER_MODELS, paper_config
-
-from .report import ratio_json
-from .workloads import make_requests
 
 
 def run_one(eng: LLMEngine, reqs, max_tokens: int, clock) -> dict:
@@ -67,8 +66,9 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     base = engine_kwargs_from_args(a)
     if a.sim:
-        from .sim import ASSUMED_MEAN_DEPTH, SIM_EXITS, RooflineCost, SimModel, SimRunner, binomial_depths, \
-            depths_from_distribution, h100_kv_tokens, served_context
+        from infer.sim.cost import RooflineCost, h100_kv_tokens
+        from infer.sim.runner import ASSUMED_MEAN_DEPTH, SIM_EXITS, SimModel, SimRunner, binomial_depths, depths_from_distribution
+        from infer.sim.simulate import served_context
         cfg = paper_config(a.model) if a.model in PAPER_MODELS else load_model(a.model)[0].cfg
         layout = EngineConfig(**base).resolve(cfg).kv_layout
         base.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout))

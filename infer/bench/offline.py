@@ -6,8 +6,8 @@ in one process, repeated in alternating order to reduce noise (the median time i
         --num-requests 32 --scale auto --ks 1 4 --repeats 3 --out outputs/bench
 
 Per policy: output tokens/s, requests/s, mean exit depth, the prefill share of time (alpha, from
-CB's step trace), the bounds S_dec / S_e2e (infer/bounds.py), the speedup over CB and its
-fraction of S_e2e; also the fitted stage latency model (infer/latency.py) and a PNG plot.
+CB's step trace), the bounds S_dec / S_e2e (infer/sim/bounds.py), the speedup over CB and its
+fraction of S_e2e; also the fitted stage latency model (infer/sim/latency.py) and a PNG plot.
 `cdb_full_depth` (exits disabled) measures what the stage split alone costs against CB.
 """
 from __future__ import annotations
@@ -19,46 +19,29 @@ import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import LOAD_FORMATS, load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
+from infer.sim import bounds as B
+from infer.sim import replay as RP
+from infer.sim.emulated import emulated_engine
+from infer.sim.latency import fit_trace, fits_to_json
+from infer.sim.report import format_table, model_meta, write_outputs
+from infer.sim.stats import bounds_block, headline, mode_kwargs, modes_for, prefix_cache, raw_from, summarize
+from infer.sim.work import work_counts
+from infer.sim.workloads import WORKLOADS, Request, describe, make_requests, mean_decode_context
 from looplm.layer_split import split_of
-
-from . import bounds as B
-from . import replay as RP
-from .latency import fit_trace, fits_to_json
-from .report import format_table, model_meta, write_outputs
-from .work import ratios as work_ratios, work_counts
-from .workloads import WORKLOADS, Request, describe, make_requests, mean_decode_context
 
 RESULT_FIELDS = ("output_tokens_per_s", "requests_per_s", "mean_exit_depth", "alpha", "s_dec", "s_e2e",
                  "speedup_vs_cb", "fraction_of_bound", "settings")
 
 
-def modes_for(ks=(1, 4), norefill: bool = True, full_depth: bool = True) -> list[dict]:
-    """The policies compared: CB, CDB no-refill, CDB refill per K, and CDB at full depth."""
-    # cb: prompts inside the fused iteration (vLLM's chunked prefill); cb_separate: the old CB, whole
-    # prompts in prefill launches of their own
-    modes = [{"name": "cb", "policy": "cb"}, {"name": "cb_separate", "policy": "cb", "prefill": "separate"}]
-    if norefill:
-        modes.append({"name": "cdb_norefill", "policy": "cdb", "refill": False})
-    modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": True, "min_coda_batch": int(k)} for k in ks]
-    if full_depth:
-        modes.append({"name": "cdb_full_depth", "policy": "cdb", "refill": True, "full_depth": True})
-    return modes
-
-
-def _mode_kwargs(mode: dict) -> dict:
-    return {k: v for k, v in mode.items() if k != "name"}
-
-
 # ---------------------------------------------------------------------------------- one run
 def make_engine(model, tokenizer, mode: dict, base: dict) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(**{**base, **_mode_kwargs(mode), "trace": True}), tokenizer)
+    return LLMEngine(model, EngineConfig(**{**base, **mode_kwargs(mode), "trace": True}), tokenizer)
 
 
 def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_trace: bool = True,
@@ -96,124 +79,13 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
                     work_counts(eng.trace, eng.model.cfg, eng.model.dtype.itemsize), eng.speculative_metrics(sp0))
 
 
-def prefix_cache(after: dict, before: dict | None = None) -> dict:
-    """Prefix-cache lookups of one pass (engine metrics after it, minus before it): prompt tokens
-    looked up, found, and the hit rate."""
-    q, h = (after[k] - (before or {}).get(k, 0) for k in ("prefix_cache_queries", "prefix_cache_hits"))
-    return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0}
-
-
 def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, progress=None,
              keep_trace: bool = True) -> dict:
     """One run on a fresh engine."""
     return run_engine(make_engine(model, tokenizer, mode, base), mode, requests, progress, keep_trace)
 
 
-def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
-             prefix_cache: dict | None = None, work: dict | None = None, speculative: dict | None = None) -> dict:
-    """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
-    `config` is the engine's resolved config, `work` the run's exact work counts (work.py),
-    `speculative` its self-speculation counters (LLMEngine.speculative_metrics)."""
-    stages: dict[str, dict] = {}
-    for r in trace:
-        s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0, "score_reads": 0})
-        s["calls"] += 1
-        s["score_reads"] += r.get("score_reads", 0)  # launches whose exit scores the host read back
-        s["seconds"] += r["seconds"]
-        s["items"] += r["batch"]
-    for s in stages.values():
-        s["mean_batch"] = s["items"] / s["calls"]
-    hist: dict[int, int] = {}
-    for o in outs:
-        for d in o.exit_depths[1:]:  # the first token comes from the prefill, at full depth
-            hist[d] = hist.get(d, 0) + 1
-    ntok = sum(hist.values())
-    traced = sum(r["seconds"] for r in trace)
-    pre = prefill_breakdown(trace)
-    return {"name": mode["name"], "mode": _mode_kwargs(mode), "engine_config": config.describe(), "seconds": seconds,
-            "output_tokens": sum(len(o.token_ids) for o in outs), "num_requests": len(outs),
-            "mean_exit_depth": sum(d * c for d, c in hist.items()) / ntok if ntok else float("nan"),
-            "decode_tokens": ntok, "exit_depth_hist": dict(sorted(hist.items())),
-            "prefill_seconds": pre["seconds"], "prefill": {**pre, "share": pre["seconds"] / traced if traced else None},
-            "traced_seconds": traced,
-            "steps": len(trace), "stages": stages, "trace": trace if keep_trace else None,
-            "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache, "work": work,
-            "speculative": speculative}
-
-
-def prefill_breakdown(trace: list[dict]) -> dict:
-    """Launches that carry prompt tokens (separate prefill launches, or mixed launches with chunks),
-    their mean prompt tokens, and the seconds prompts cost: a prefill launch's time; in a mixed launch
-    the simulator's marginal cost (`prompt_seconds`), else the launch's time split by items."""
-    rows = [r for r in trace if r.get("prompt_tokens") or r["stage"] == "prefill"]
-    tok = sum(r.get("prompt_tokens", r["tokens"]) for r in rows)
-    sec = 0.0
-    for r in rows:
-        if r["stage"] == "prefill":
-            sec += r["seconds"]
-        elif "prompt_seconds" in r:
-            sec += r["prompt_seconds"]
-        else:
-            sec += r["seconds"] * r["prompt_tokens"] / (r["prompt_tokens"] + r["batch"])
-    return {"launches": len(rows), "mean_prompt_tokens": tok / len(rows) if rows else 0.0, "seconds": sec}
-
-
 # ---------------------------------------------------------------------------------- results
-def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dict) -> list[dict]:
-    """Per-mode results with the bounds: alpha is CB's measured prefill share, d each mode's mean
-    exit depth, F_0 / F_r counted at the requests' mean decode context."""
-    ctx = mean_decode_context(requests)
-    cb = raws.get("cb")
-    alpha_cb = cb["prefill_seconds"] / cb["traced_seconds"] if cb and cb["traced_seconds"] > 0 else None
-    out = []
-    for name, r in raws.items():
-        tps = r["output_tokens"] / r["seconds"]
-        full = r["engine_config"]["full_depth"]
-        d = cfg.r_max if full or r["mean_exit_depth"] != r["mean_exit_depth"] else r["mean_exit_depth"]
-        res = {"mode": name, "output_tokens_per_s": tps, "requests_per_s": r["num_requests"] / r["seconds"],
-               "total_tokens_per_s": (r["output_tokens"] + sum(q.prompt_len for q in requests)) / r["seconds"],
-               "seconds": r["seconds"], "seconds_all": r.get("seconds_all", [r["seconds"]]),
-               "num_requests": r["num_requests"], "output_tokens": r["output_tokens"],
-               "mean_exit_depth": d, "exit_depth_hist": r["exit_depth_hist"],
-               "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
-               "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
-               "prefix_cache": r.get("prefix_cache"), "work": r.get("work"), "speculative": r.get("speculative"),
-               "exit_depths_crc32": RP.depths_crc32(r["exit_depths"]),  # equal digests: equal per-token depths
-               **work_ratios(r["work"], cb["work"] if cb else None),
-               "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
-        if alpha_cb is not None:
-            b = B.bound(cfg, d, alpha_cb, ctx)
-            res.update(s_dec=b["s_dec"], s_e2e=b["s_e2e"])
-            cb_tps = cb["output_tokens"] / cb["seconds"]
-            res["speedup_vs_cb"] = tps / cb_tps
-            res["fraction_of_bound"] = res["speedup_vs_cb"] / b["s_e2e"]
-            res["speedup_interval"] = ratio_interval(cb.get("seconds_all", [cb["seconds"]]), res["seconds_all"])
-        else:
-            res.update(s_dec=None, s_e2e=None, speedup_vs_cb=None, fraction_of_bound=None)
-        out.append(res)
-    return out
-
-
-def ratio_interval(cb_seconds: list[float], seconds: list[float], iters: int = 2000, seed: int = 0) -> dict:
-    """The speedup over CB of one mode from its repeats, each paired with CB's repeat of the same
-    round (modes run interleaved, so a round shares the machine's state): the median of the
-    per-round ratios CB time / mode time (same output tokens), a 95% bootstrap interval of that
-    median, and what the interval says: "faster" or "slower" when it excludes 1, else "within noise"."""
-    r = np.asarray(cb_seconds[:len(seconds)]) / np.asarray(seconds[:len(cb_seconds)])
-    rng = np.random.default_rng(seed)
-    meds = np.median(rng.choice(r, size=(iters, len(r)), replace=True), axis=1)
-    lo, hi = (float(x) for x in np.percentile(meds, [2.5, 97.5]))
-    verdict = "faster" if lo > 1 else "slower" if hi < 1 else "within noise"
-    return {"median": float(np.median(r)), "lo": lo, "hi": hi, "rounds": len(r), "verdict": verdict}
-
-
-def bounds_block(cfg, requests: list[Request]) -> dict:
-    ctx = mean_decode_context(requests)
-    f0, fr = B.f0_fr(cfg, ctx)
-    return {"f0": f0, "fr": fr, "f0_over_fr": f0 / fr, "r_max": cfg.r_max, "context": ctx,
-            "formula": "S_dec = (F0 + r_max Fr)/(F0 + d Fr); S_e2e = 1/(alpha + (1 - alpha)/S_dec)"}
-
-
 def pick_raw(reps: list[dict], stat: str = "min") -> dict:
     """The repeat that represents a mode: the fastest ("min", robust to other load on a shared
     CPU: contention only ever adds time) or the median one; every repeat's time is kept."""
@@ -278,7 +150,7 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
     prep: dict[str, object] = {}  # per mode: the replay's tracker setup (its depths derived once)
     if replay is not None:
         for m in modes:
-            pol = EngineConfig(**{**base, **_mode_kwargs(m)}).resolve(cfg, model.device).exit_policy(cfg)
+            pol = EngineConfig(**{**base, **mode_kwargs(m)}).resolve(cfg, model.device).exit_policy(cfg)
             depths = RP.replay_depths(replay, workload, pol)
             prep[m["name"]] = partial(_force, pol, depths) if pol.adaptive else None
     reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
@@ -368,18 +240,59 @@ def write_recorded(path: Path, blocks: list[dict], model, source: str, seed: int
                                                     "requests": r["requests"]} for b, r in zip(blocks, rec)})
 
 
-def headline(results: list[dict]) -> dict:
-    """The workload's headline figures: CDB at full depth vs CB, and the fastest adaptive CDB mode."""
-    by = {r["mode"]: r for r in results}
-    out = {}
-    if "cdb_full_depth" in by and "cb" in by:
-        out["full_depth_vs_cb"] = by["cdb_full_depth"]["output_tokens_per_s"] / by["cb"]["output_tokens_per_s"]
-    cdb = [r for r in results if r["mode"].startswith("cdb_") and r["mode"] != "cdb_full_depth"]
-    if cdb and "cb" in by:
-        best = max(cdb, key=lambda r: r["output_tokens_per_s"])
-        out["best"] = {"mode": best["mode"], "speedup_vs_cb": best["speedup_vs_cb"],
-                       "fraction_of_bound": best["fraction_of_bound"]}
-    return out
+# ---------------------------------------------------------------------------------- an emulated device
+def bench_emulated(a, workloads: list[str], modes: list[dict], base: dict, replay: dict | None
+                   ) -> tuple[list[dict], dict]:
+    """`python -m infer.bench --device emulated:...`: every mode of every workload on a fresh
+    emulated engine, timed on the wall clock (offline.run_engine), beside the cost model's
+    prediction of the same run (`predicted_seconds`). Returns (workload blocks, the JSON's meta)."""
+    def engine(mode: dict, w: str) -> LLMEngine:
+        return emulated_engine(a.model, a.device, {**base, **{k: v for k, v in mode.items() if k != "name"}},
+                               mean_depth=a.mean_depth, replay_exits=a.replay_exits if replay else None,
+                               replay_workload=w, seed=a.seed, layer_split=a.layer_split, by_index=True, trace=True,
+                               attention=a.emulated_attention, slowdown=a.emulated_slowdown)
+
+    scale = a.scale if a.scale == "auto" else float(a.scale)
+    blocks = []
+    for w in workloads:
+        first = engine(modes[0], w)
+        cfg, ctx = first.model.cfg, first.max_model_len
+        if replay is not None:
+            reqs = RP.make_replay_requests(replay, w, cfg.vocab_size, ctx, a.seed)
+        else:
+            reqs = make_requests(w, a.num_requests, seed=a.seed, scale=scale, max_model_len=ctx,
+                                 vocab_size=cfg.vocab_size)
+        reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
+        for rep in range(a.repeats):
+            for m in (modes if rep % 2 == 0 else modes[::-1]):
+                eng = engine(m, w)
+                raw = run_engine(eng, m, reqs)
+                raw["predicted_seconds"], raw["slept_seconds"] = eng.runner.clock, eng.runner.waited
+                reps[m["name"]].append(raw)
+        raws = {n: pick_raw(r, a.stat) for n, r in reps.items()}
+        info = first.runner.device_info
+        settings = {**base, "emulated": info["device"], "repeats": a.repeats, "stat": a.stat, "workload": w,
+                    "seed": a.seed}
+        results = summarize(raws, cfg, reqs, settings)
+        for r in results:
+            raw = raws[r["mode"]]
+            r["predicted_seconds"] = raw["predicted_seconds"]
+            r["predicted_output_tokens_per_s"] = raw["output_tokens"] / raw["predicted_seconds"]
+            r["wall_over_predicted"] = raw["seconds"] / (raw["predicted_seconds"] * first.runner.slowdown)
+        blocks.append({"workload": describe(reqs, w, scale, ctx), "bounds": bounds_block(cfg, reqs),
+                       "results": results, "emulated": info, "traces": {n: r["trace"] for n, r in raws.items()},
+                       "exit_depths": next(iter(raws.values()))["exit_depths"],
+                       "untraced_seconds_per_step": {n: max(0.0, (r["seconds"] - r["traced_seconds"]) /
+                                                            max(1, r["steps"])) for n, r in raws.items()},
+                       **headline(results)})
+    cfg = first.model.cfg
+    name = f"{Path(str(a.model)).name}_{a.device.replace(':', '-')}" + \
+        (f"_split{a.layer_split}" if a.layer_split else "")
+    meta = {"model": str(a.model), "config": cfg.name, "arch": cfg.arch, "hidden_size": cfg.hidden_size,
+            "layers": [cfg.n_prelude, cfg.n_core, cfg.n_coda], "r_max": cfg.r_max, "vocab_size": cfg.vocab_size,
+            "params": 0, "weights": "none (emulated device)", "emulated": True, "device": first.runner.device_info,
+            "layer_split": a.layer_split, "name": name, "title": f"{name}: speedup over CB vs the bound (emulated)"}
+    return blocks, meta
 
 
 # ---------------------------------------------------------------------------------- the API
@@ -410,15 +323,12 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
             "alpha": raw["prefill_seconds"] / raw["traced_seconds"] if raw["traced_seconds"] else None,
             "exit_depth_hist": raw["exit_depth_hist"], "stages": raw["stages"],
             "workload": describe(reqs, workload, scale, eng.max_model_len),
-            "settings": {**base, **_mode_kwargs(mode), "workload": workload, "num_requests": num_requests,
+            "settings": {**base, **mode_kwargs(mode), "workload": workload, "num_requests": num_requests,
                          "scale": scale, "seed": seed, "dtype": dtype, "device": device},
             "engine_config": raw["engine_config"]}
 
 
-def main(argv: list[str] | None = None, emulate=None) -> None:
-    """`emulate(a, workloads, modes, base, replay) -> (blocks, meta)` runs the bench on an emulated
-    device (`--device emulated:h100`; infer/bench/emulated.py, which imports this module, so
-    `python -m infer.bench` passes it in)."""
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ouro-tiny", help="checkpoint folder or preset name (ouro-tiny, huginn-tiny)")
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
@@ -434,7 +344,7 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload sampling seed")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="a torch device, or emulated:h100 (also h200, a100): no weights, "
-                   "every launch waits for the simulator's predicted stage time (infer/bench/emulated.py)")
+                   "every launch waits for the simulator's predicted stage time (infer/sim/emulated.py)")
     p.add_argument("--mean-depth", type=float, default=None, help="emulated device: mean exit depth (binomial "
                    "spread; default: infer.sim's assumption); --replay-exits instead replays a file's depths")
     p.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default="sdpa",
@@ -450,7 +360,7 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
                         "structure is what changes")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
-    p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for infer.latency fit)")
+    p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for python -m infer.sim.latency fit)")
     p.add_argument("--record-exits", type=Path, metavar="FILE",
                    help="first record every token's exit scores under the engine's policy into FILE (infer/bench/"
                         "replay.py; with --r-min R_MAX every step's score, replayable at any policy)")
@@ -471,11 +381,11 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
     replay = RP.load(a.replay_exits) if a.replay_exits else None
     workloads = a.workloads or (list(replay["workloads"]) if replay else list(WORKLOADS))
     if a.device.startswith("emulated:"):
-        if emulate is None or a.record_exits:
-            p.error(f"--device {a.device} runs through python -m infer.bench, without --record-exits (an emulated "
-                    "device has no exit scores to record)")
-        blocks, meta = emulate(a, workloads, modes_for(a.ks, not a.no_norefill, not a.no_full_depth),
-                               engine_kwargs_from_args(a), replay)
+        if a.record_exits:
+            p.error(f"--device {a.device} runs without --record-exits (an emulated device has no exit scores to "
+                    "record)")
+        blocks, meta = bench_emulated(a, workloads, modes_for(a.ks, not a.no_norefill, not a.no_full_depth),
+                                      engine_kwargs_from_args(a), replay)
         meta["command"] = "python -m infer.bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
         for b in blocks:
             print(format_table(b))
@@ -510,4 +420,6 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from looplm.cli import run
+
+    run(main)

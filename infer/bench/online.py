@@ -3,12 +3,12 @@ with vLLM `bench serve` metric definitions; a JSON per (policy, rate) and the pa
 (normalized latency vs request rate, CB vs CDB).
 
     # start / stop one server per policy (loopback only) and sweep the rates
-    python -m infer.bench_online --model checkpoints/ouro-demo --policies cb,cdb-norefill,cdb-refill \
+    python -m infer.bench.online --model checkpoints/ouro-demo --policies cb,cdb-norefill,cdb-refill \
         --rates 2,4,8,16 --num-prompts 64 --out .cache/bench_online
     # an emulated H100 (no weights: each launch waits for the simulator's predicted stage time)
-    python -m infer.bench_online --model ouro-1.4b --device emulated:h100 --length-scale 1 --rates 2,4,8
+    python -m infer.bench.online --model ouro-1.4b --device emulated:h100 --length-scale 1 --rates 2,4,8
     # against a server you started
-    python -m infer.bench_online --base-url http://127.0.0.1:8000 --label mine --rates 4,8
+    python -m infer.bench.online --base-url http://127.0.0.1:8000 --label mine --rates 4,8
 
 With --repeats N each (policy, rate) point is the median of N interleaved rounds.
 
@@ -36,9 +36,8 @@ import aiohttp
 import httpx
 import numpy as np
 
+from infer.sim.workloads import WORKLOADS, load_trace
 from looplm.cli import UserError
-
-from .workloads import WORKLOADS, load_trace
 
 POLICY_ARGS = {"cb": ["--policy", "cb"], "cdb-norefill": ["--policy", "cdb", "--no-refill"],
                "cdb-refill": ["--policy", "cdb", "--refill"]}
@@ -339,7 +338,7 @@ def plot(summary: dict, path: Path, limit: float | None) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.bench_online", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m infer.bench.online", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", help="start one server per policy with this model (folder or preset)")
@@ -359,7 +358,7 @@ def parser() -> argparse.ArgumentParser:
                    help="at most this many requests in flight (vLLM's flag); later arrivals wait in the client")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--dataset", default="sharegpt",
-                   help=f"'fixed', a trace of infer/bench/data {list(WORKLOADS)}, or a CSV path")
+                   help=f"'fixed', a trace of infer/sim/data {list(WORKLOADS)}, or a CSV path")
     p.add_argument("--length-scale", type=float, default=0.25, help="multiply trace lengths (small demo models)")
     p.add_argument("--max-input", type=int, default=None, help="cap on prompt length (default: context / 2)")
     p.add_argument("--input-len", type=int, default=32, help="--dataset fixed")
@@ -457,4 +456,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from looplm.cli import run
+
+    run(main)

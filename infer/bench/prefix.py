@@ -24,11 +24,11 @@ import torch
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
+from infer.sim.report import ratio_json
+from infer.sim.workloads import Request
 from looplm.presets import paper_config
 
 from .itl import cpu_model, percentile
-from .report import ratio_json
-from .workloads import Request
 
 
 def workload(n: int, prefix: int, suffix: tuple[int, int], output: int, vocab: int, rate: float, seed: int):
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
            "policy": a.policy, "seed": a.seed, "results": {},
            "command": "python -m infer.bench.prefix " + " ".join(argv if argv is not None else sys.argv[1:])}
     if sim:
-        from .sim import ASSUMED_MEAN_DEPTH, RooflineCost, SimModel, SimRunner, binomial_depths, \
-            depths_from_distribution, h100_kv_tokens
+        from infer.sim.cost import RooflineCost, h100_kv_tokens
+        from infer.sim.runner import ASSUMED_MEAN_DEPTH, SimModel, SimRunner, binomial_depths, depths_from_distribution
         cfg = paper_config(a.model, max_position=max(ctx, 2048))
         vocab = cfg.vocab_size
     else:

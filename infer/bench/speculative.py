@@ -43,13 +43,14 @@ import torch
 
 from infer.engine.config import add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import load_model
+from infer.sim.report import model_meta
+from infer.sim.stats import ratio_interval
+from infer.sim.work import work_counts
+from infer.sim.workloads import FIRST_ID, Request
 from kv_layouts import DEFAULT_LAYOUT, layout_class
 from looplm.policy import OUTPUT_CRITERIA
 
-from .offline import make_engine, ratio_interval, run_engine
-from .report import model_meta
-from .work import work_counts
-from .workloads import FIRST_ID, Request
+from .offline import make_engine, run_engine
 
 CHECKPOINTS = ("checkpoints/ouro-demo", "checkpoints/huginn-demo", "checkpoints/lab-hops")
 HELDOUT_TEXT = Path(__file__).resolve().parents[2] / ".cache" / "corpus" / "heldout.txt"

@@ -10,7 +10,6 @@ finish for up to --drain-timeout seconds, abort the rest, exit.
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import logging
 import os
 import sys
@@ -36,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--r-max", type=int, default=None, help="override the model's r_max")
     m.add_argument("--dtype", default="float32")
     m.add_argument("--device", default="cpu", help="a torch device, or emulated:h100 (also h200, a100): the engine "
-                   "runs on a device that only waits for the simulator's predicted stage times (infer/bench/"
+                   "runs on a device that only waits for the simulator's predicted stage times (infer/sim/"
                    "emulated.py); --model is then a paper model, a preset or a config.json folder")
     m.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: the folder's config.json (or a paper preset) with random weights, no weights file "
@@ -85,14 +84,12 @@ def parser() -> argparse.ArgumentParser:
 EMULATED = "emulated:"
 
 
-def make_engine(a: argparse.Namespace, emulate=None) -> LLMEngine:
-    """The engine for parsed arguments. `emulate(a) -> LLMEngine` builds one on an emulated device
-    (`--device emulated:...`); it lives with the simulator (infer/bench/emulated.py), which this
-    layer does not import, so `python -m infer.serve` passes it in."""
+def make_engine(a: argparse.Namespace) -> LLMEngine:
+    """The engine for parsed arguments: a checkpoint or preset on a torch device, or a model's shape
+    on an emulated one (`--device emulated:...`, infer/sim/emulated.py)."""
     if a.device.startswith(EMULATED):
-        if emulate is None:
-            raise ParamError("device", f"--device {a.device}: the emulated device is wired in by python -m infer.serve")
-        return emulate(a)
+        from infer.sim.emulated import engine_from_args  # (only for an emulated device)
+        return engine_from_args(a)
     for k in ("mean_depth", "replay_exits", "replay_workload", "emulated_attention", "emulated_slowdown"):
         if getattr(a, k, None) is not None:
             raise ParamError(k, f"--{k.replace('_', '-')} is for an emulated device (--device emulated:h100)")
@@ -100,14 +97,14 @@ def make_engine(a: argparse.Namespace, emulate=None) -> LLMEngine:
     return LLMEngine(model, engine_config_from_args(a), tok)
 
 
-def make_server(a: argparse.Namespace, emulate=None):
+def make_server(a: argparse.Namespace):
     """(uvicorn.Server, bound socket) for parsed arguments; used by main() and by the tests."""
     import torch
     import uvicorn
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    engine = make_engine(a, emulate)
+    engine = make_engine(a)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
     aeng = AsyncEngine(engine, max_waiting=a.max_waiting, stream_interval=a.stream_interval)
     app = build_app(aeng, name, a.api_key, a.max_request_bytes, echo_logprobs_depth=a.echo_logprobs_depth)
@@ -117,8 +114,7 @@ def make_server(a: argparse.Namespace, emulate=None):
     return uvicorn.Server(config), sock
 
 
-def main(argv: list[str] | None = None, emulate=None) -> None:
-    """`emulate`: see make_engine."""
+def main(argv: list[str] | None = None) -> None:
     p = parser()
     a = p.parse_args(argv)
     if a.stream_interval < 1:  # before any weights load or Ray starts
@@ -126,9 +122,9 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
     if a.replicas is not None:  # Ray is imported on this path only
         from .replicas import main as replicas_main
         # each replica builds its engine as this process would (an emulated device included)
-        return replicas_main(a, partial(make_engine, emulate=emulate))
+        return replicas_main(a, make_engine)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server, sock = make_server(a, emulate)
+    server, sock = make_server(a)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {a.host}, reachable beyond this machine"
               + ("" if a.api_key else " without an API key"), flush=True)
@@ -148,4 +144,6 @@ def main(argv: list[str] | None = None, emulate=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from looplm.cli import run
+
+    run(main)

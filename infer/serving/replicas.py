@@ -63,26 +63,17 @@ class MetricsBoard:
 class Replica:
     """One engine and the single-process app, on the device Ray gave this actor."""
 
-    async def __init__(self, a: argparse.Namespace, board, build=None) -> None:  # async: the engine thread needs this loop
-        """`build(a) -> LLMEngine`: how the single server builds its engine (cli.make_engine with
-        its emulated-device builder); None: the model from a checkpoint or preset."""
+    async def __init__(self, a: argparse.Namespace, board, build) -> None:  # async: the engine thread needs this loop
+        """`build(a) -> LLMEngine`: how the single server builds its engine (cli.make_engine: a
+        checkpoint, a preset or an emulated device)."""
         import torch
-
-        from infer.engine.config import engine_config_from_args
-        from infer.engine.llm import load_model
-        from infer.engine.llm_engine import LLMEngine
 
         from .async_engine import AsyncEngine
         from .server import build_app
 
         if a.device == "cpu" or a.device.startswith("emulated"):
             torch.set_num_threads(a.threads or 1)  # the share of cores Ray reserved (num_cpus)
-        if build is not None:
-            engine = build(a)
-        else:
-            model, tok = load_model(a.model, a.dtype, a.device, a.r_max, getattr(a, "load_format", "auto"),
-                                    getattr(a, "layer_split", None))
-            engine = LLMEngine(model, engine_config_from_args(a), tok)
+        engine = build(a)
         self.aeng = AsyncEngine(engine, max_waiting=a.max_waiting, stream_interval=a.stream_interval)
         self.app = build_app(self.aeng, served_name(a), a.api_key, a.max_request_bytes,
                              echo_logprobs_depth=a.echo_logprobs_depth)
@@ -282,7 +273,7 @@ def aggregate_metrics(texts: list[str]) -> str:
 
 
 # ---------------------------------------------------------------- start / stop
-def start(a: argparse.Namespace, build=None):
+def start(a: argparse.Namespace, build):
     """Connects to (or starts) Ray, deploys `a.replicas` engine replicas (each engine from
     `build(a)`, see Replica); returns (handle, board)."""
     from infer.engine.config import engine_config_from_args
@@ -330,7 +321,7 @@ def stop(a: argparse.Namespace) -> None:
     ray.shutdown()
 
 
-def main(a: argparse.Namespace, build=None) -> None:
+def main(a: argparse.Namespace, build) -> None:
     import uvicorn
 
     from .server import bind, run

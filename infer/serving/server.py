@@ -65,7 +65,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
     engine_cfg = aeng.engine.config.describe()  # the resolved settings (checkpoint defaults filled in)
     info = {k: engine_cfg[k] for k in ("policy", "refill", "kv_layout", "max_batch_size", "lookahead",
                                        "exit_criterion", "exit_threshold", "r_min", "full_depth")}
-    # what the engine runs on; an emulated device (infer/bench/emulated.py) says so everywhere
+    # what the engine runs on; an emulated device (infer/sim/emulated.py) says so everywhere
     device = getattr(aeng.engine.runner, "device_info", None) or {"device": str(aeng.engine.model.device),
                                                                     "emulated": False}
     info |= {"device": device["device"], "emulated": str(device["emulated"]).lower()}

@@ -1,4 +1,4 @@
-"""Benchmark output: the table, the PNG plot, the JSON files (infer/bench.py and infer/sim.py)."""
+"""Benchmark output: the table, the PNG plot, the JSON files (python -m infer.bench and python -m infer.sim)."""
 from __future__ import annotations
 
 import json
@@ -50,10 +50,10 @@ def format_table(block: dict) -> str:
                      f"model's predicted stage time; no weights; {st.get('repeats')} repeat(s) per mode)")
     else:
         lines.append(f"({st.get('stat', 'min')} of {st.get('repeats')} repeats per mode; S_e2e(lat): the bound with this "
-                     "machine's fitted stage latencies, see latency_bound in infer/bench.py)")
+                     "machine's fitted stage latencies, see latency_bound in infer/bench/offline.py)")
     lines.append(f"bound: F0/Fr = {b['f0_over_fr']:.3f} at context {b['context']:.0f}, r_max {b['r_max']}; "
                  + b["formula"])
-    lines.append("work/CB, wbytes/CB: exact FLOPs and weight bytes of the run over CB's (infer/bench/work.py; the same "
+    lines.append("work/CB, wbytes/CB: exact FLOPs and weight bytes of the run over CB's (infer/sim/work.py; the same "
                  "on any machine, unlike the timings)")
     if "full_depth_vs_cb" in block:
         lines.append(f"CDB at full depth / CB throughput: {block['full_depth_vs_cb']:.3f}")

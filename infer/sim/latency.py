@@ -2,8 +2,8 @@
 squares per stage from the engine's own step trace, and a sweep that measures core-step latency
 over batch sizes x context lengths.
 
-    python -m infer.latency sweep --model ouro-tiny --batch-sizes 1 4 16 64 --contexts 64 256 --out outputs/latency
-    python -m infer.latency fit outputs/bench/trace_ouro-tiny.json
+    python -m infer.sim.latency sweep --model ouro-tiny --batch-sizes 1 4 16 64 --contexts 64 256 --out outputs/latency
+    python -m infer.sim.latency fit outputs/bench/trace_ouro-tiny.json
 
 N_b is the batch (by default the padded one: the runner computes every padded row), N_c the
 context tokens the batch reads (prefill: its prompt tokens). delta is the fixed cost (weights
@@ -199,7 +199,7 @@ def print_fits(fits: dict[str, StageFit], context_per_item: float | None = None)
 
 # ---------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m infer.latency", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infer.sim.latency", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fit", help="fit the latency model to an engine trace (JSON from infer.bench --save-trace)")
     f.add_argument("trace", type=Path)

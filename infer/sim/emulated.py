@@ -1,6 +1,6 @@
 """The emulated device: the real engine and scheduler on a device that is only a clock.
 
-`EmulatedRunner` is the simulator's `SimRunner` (sim.py) on the wall clock: each launch is priced
+`EmulatedRunner` is the simulator's `SimRunner` (runner.py) on the wall clock: each launch is priced
 by the same cost model (the GPU roofline of `RooflineCost`, with the measured host table), and
 the runner *waits* in real time (a sleep, no CPU burnt) for that prediction minus the host time
 this step already spent. The host's share of the prediction (`RooflineCost.host_seconds`) is
@@ -13,7 +13,7 @@ exist (the engine's model is the simulator's `SimModel`: a config, no parameters
 
     python -m infer.serve --model ouro-1.4b --device emulated:h100 --port 8000
     python -m infer.bench --model huginn-3.5b --device emulated:h100 --workloads alpaca --num-requests 32
-    python -m infer.bench_online --model ouro-1.4b --device emulated:h100 --rates 2,4,8
+    python -m infer.bench.online --model ouro-1.4b --device emulated:h100 --rates 2,4,8
 
 Settings: the KV pool is what the emulated GPU holds beside the bf16 weights (`h100_kv_tokens`);
 the engine runs its CPU path (no CUDA graphs, no lookahead pipeline). Lookahead exits start at
@@ -40,8 +40,8 @@ from looplm.layer_split import split_config
 from looplm.policy import ExitPolicy
 
 from . import replay as RP
-from .sim import ASSUMED_MEAN_DEPTH, HOST_JSON, SIM_EXITS, HostCost, RooflineCost, SimModel, SimRunner, \
-    binomial_depths, h100_kv_tokens
+from .cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from .runner import ASSUMED_MEAN_DEPTH, SIM_EXITS, SimModel, SimRunner, binomial_depths
 from .workloads import FIRST_ID
 
 PREFIX = "emulated:"
@@ -309,60 +309,3 @@ def engine_from_args(a) -> LLMEngine:
                            replay_workload=a.replay_workload, seed=engine.get("seed") or 0, layer_split=a.layer_split,
                            attention=a.emulated_attention or "sdpa", slowdown=a.emulated_slowdown)
 
-
-# ---------------------------------------------------------------------------------- the offline bench
-def bench_emulated(a, workloads: list[str], modes: list[dict], base: dict, replay: dict | None
-                   ) -> tuple[list[dict], dict]:
-    """`python -m infer.bench --device emulated:...`: every mode of every workload on a fresh
-    emulated engine, timed on the wall clock (offline.run_engine), beside the cost model's
-    prediction of the same run (`predicted_seconds`). Returns (workload blocks, the JSON's meta)."""
-    from .offline import bounds_block, headline, pick_raw, run_engine, summarize
-    from .workloads import describe, make_requests
-
-    def engine(mode: dict, w: str) -> LLMEngine:
-        return emulated_engine(a.model, a.device, {**base, **{k: v for k, v in mode.items() if k != "name"}},
-                               mean_depth=a.mean_depth, replay_exits=a.replay_exits if replay else None,
-                               replay_workload=w, seed=a.seed, layer_split=a.layer_split, by_index=True, trace=True,
-                               attention=a.emulated_attention, slowdown=a.emulated_slowdown)
-
-    scale = a.scale if a.scale == "auto" else float(a.scale)
-    blocks = []
-    for w in workloads:
-        first = engine(modes[0], w)
-        cfg, ctx = first.model.cfg, first.max_model_len
-        if replay is not None:
-            reqs = RP.make_replay_requests(replay, w, cfg.vocab_size, ctx, a.seed)
-        else:
-            reqs = make_requests(w, a.num_requests, seed=a.seed, scale=scale, max_model_len=ctx,
-                                 vocab_size=cfg.vocab_size)
-        reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
-        for rep in range(a.repeats):
-            for m in (modes if rep % 2 == 0 else modes[::-1]):
-                eng = engine(m, w)
-                raw = run_engine(eng, m, reqs)
-                raw["predicted_seconds"], raw["slept_seconds"] = eng.runner.clock, eng.runner.waited
-                reps[m["name"]].append(raw)
-        raws = {n: pick_raw(r, a.stat) for n, r in reps.items()}
-        info = first.runner.device_info
-        settings = {**base, "emulated": info["device"], "repeats": a.repeats, "stat": a.stat, "workload": w,
-                    "seed": a.seed}
-        results = summarize(raws, cfg, reqs, settings)
-        for r in results:
-            raw = raws[r["mode"]]
-            r["predicted_seconds"] = raw["predicted_seconds"]
-            r["predicted_output_tokens_per_s"] = raw["output_tokens"] / raw["predicted_seconds"]
-            r["wall_over_predicted"] = raw["seconds"] / (raw["predicted_seconds"] * first.runner.slowdown)
-        blocks.append({"workload": describe(reqs, w, scale, ctx), "bounds": bounds_block(cfg, reqs),
-                       "results": results, "emulated": info, "traces": {n: r["trace"] for n, r in raws.items()},
-                       "exit_depths": next(iter(raws.values()))["exit_depths"],
-                       "untraced_seconds_per_step": {n: max(0.0, (r["seconds"] - r["traced_seconds"]) /
-                                                            max(1, r["steps"])) for n, r in raws.items()},
-                       **headline(results)})
-    cfg = first.model.cfg
-    name = f"{Path(str(a.model)).name}_{a.device.replace(':', '-')}" + \
-        (f"_split{a.layer_split}" if a.layer_split else "")
-    meta = {"model": str(a.model), "config": cfg.name, "arch": cfg.arch, "hidden_size": cfg.hidden_size,
-            "layers": [cfg.n_prelude, cfg.n_core, cfg.n_coda], "r_max": cfg.r_max, "vocab_size": cfg.vocab_size,
-            "params": 0, "weights": "none (emulated device)", "emulated": True, "device": first.runner.device_info,
-            "layer_split": a.layer_split, "name": name, "title": f"{name}: speedup over CB vs the bound (emulated)"}
-    return blocks, meta

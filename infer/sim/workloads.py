@@ -1,5 +1,5 @@
 """Benchmark workloads: Alpaca, ShareGPT and arXiv-summarization request lists from real length
-traces (infer/bench/data, see its SOURCES.md). Pure Python (no torch).
+traces (infer/sim/data, see its SOURCES.md). Pure Python (no torch).
 
 A request is (prompt token ids, output length). Rows are sampled from the trace by seed; `scale`
 shrinks both lengths proportionally (CPU runs), and a request that still does not fit the model's

@@ -1,0 +1,220 @@
+"""`SimRunner`: a `Runner` on a virtual clock. It has ModelRunner's constructor and methods; each
+`run` advances the clock by the cost model's time for the stage and batch (cost.py) and returns
+tiny tensors: core steps return exit scores that make every token leave at a depth drawn from a
+recorded trace or a distribution (the engine runs the "learned" criterion at threshold 0.5,
+`SIM_EXITS`; the runner answers exit probability 1 / 0). Also the exit-depth draws."""
+from __future__ import annotations
+
+import random
+from math import comb
+
+import torch
+
+from infer.engine.memory import state_slot_bytes
+from infer.engine.runner import Emitted, next_pow2
+from infer.engine.scheduler import SwapOp, Work
+from infer.engine.sequence import Sequence, Stage
+from infer.engine.speculative import SpecOut
+from kv_layouts import layout_class
+from looplm.config import LoopConfig
+
+from .cost import Call
+from .workloads import Request
+
+# Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results.md).
+ASSUMED_MEAN_DEPTH = {"ouro-1.4b": 2.5, "huginn-3.5b": 9.0}
+# How the simulated runner makes a token exit at its recorded depth: the "learned" criterion reads
+# its exit probability, which SimRunner answers 1 or 0 (`_fires`); lookahead depths start at 2.
+SIM_EXITS = dict(exit_criterion="learned", exit_threshold=0.5)
+
+
+# ---------------------------------------------------------------------------------- exit depths
+def binomial_depths(r_max: int, mean: float) -> dict[int, float]:
+    """d = 1 + Binomial(r_max - 1, p) with mean `mean`: a unimodal spread over 1..r_max."""
+    if not 1 <= mean <= r_max:
+        raise ValueError(f"mean depth {mean} outside [1, {r_max}]")
+    n = r_max - 1
+    p = (mean - 1) / n if n else 0.0
+    return {1 + k: comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1)}
+
+
+def depths_from_distribution(probs: dict[int, float], requests: list[Request], seed: int = 0) -> list[list[int]]:
+    """Per request, the exit depth of every output token (index 0, the prefill's, unused)."""
+    ds, ws = zip(*sorted(probs.items()))
+    out = []
+    for i, r in enumerate(requests):
+        rng = random.Random(f"depths:{seed}:{i}")
+        out.append([max(ds)] + rng.choices(ds, ws, k=max(0, r.output_len - 1)))
+    return out
+
+
+# ---------------------------------------------------------------------------------- the runner
+class SimModel:
+    """What LLMEngine reads from a model: its config, dtype and device."""
+
+    def __init__(self, cfg: LoopConfig, dtype: torch.dtype = torch.bfloat16):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device("cpu")
+
+
+class _Scores:
+    def __init__(self, scores: list[float]):
+        self.scores = scores
+
+    def get(self) -> list[float]:
+        return self.scores
+
+
+class SimRunner:
+    """A `Runner` on a virtual clock (see the module docstring): ModelRunner's constructor, each
+    `run` charges the cost model's time for the stage and batch, each `swap` the bytes a
+    preemption moves (KV blocks + the state slot, each way) at `pcie_bandwidth` bytes/s. Swaps are
+    charged in series with the stages: ModelRunner queues its copies on the compute stream."""
+
+    def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
+                 cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, acceptance: float = 1.0,
+                 acceptance_seed: int = 0, **_):
+        self.model, self.cfg, self.blocks = model, model.cfg, blocks
+        # speculation: each drafted token is accepted with probability `acceptance` (seeded draws)
+        self.acceptance, self._accept_rng = acceptance, random.Random(f"accept:{acceptance_seed}")
+        self.spec_token = 1  # the token every emitting row gives (`_rows`)
+        self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
+        self.cost, self.depths = cost, depths
+        self.block_bytes = blocks.block_size * layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
+        self.fill_slots = layout_class(kv_layout).fill_slots  # (cfg, exit depth) -> slots its on_exit copies
+        self.slot_bytes = state_slot_bytes(model, criterion)
+        self.pcie_bandwidth = pcie_bandwidth
+        self.clock = 0.0
+        self.swap_seconds = 0.0
+        self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
+        self.trace: list[dict] = []
+        self.first_at: dict[int, float] = {}  # seq_id -> virtual time of its first / latest token
+        self.last_at: dict[int, float] = {}
+
+    def swap(self, ops: list[SwapOp]) -> None:
+        for op in ops:
+            sid = op.seq.seq_id
+            if op.kind == "out":
+                self._out[sid] = n = len(op.blocks)
+            else:
+                n = self._out.pop(sid, 0)
+            if op.kind != "drop":
+                t = (n * self.block_bytes + self.slot_bytes) / self.pcie_bandwidth
+                self.clock += t
+                self.swap_seconds += t
+
+    def padded(self, n: int) -> int:
+        return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
+
+    def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
+        seqs, n = work.seqs, len(work.seqs)
+        if work.stage is Stage.SPEC:
+            return self._spec(work)
+        if work.stage is Stage.PREFILL:
+            lens = [len(s.prompt_ids) for s in seqs]
+            c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
+        else:
+            filled = sum(self.fill_slots(self.cfg, s.step) for s in seqs) if work.stage is Stage.CODA else 0
+            ctx = [s.num_tokens for s in seqs]
+            bs = self.blocks.block_size
+            width = min(-(-self.cfg.max_position // bs), self.blocks.num_blocks) * bs  # the runner's table width
+            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), width) if ctx else 0
+            N = self.padded(n) if n else 0
+            spans = [s.chunk for s in work.chunks]
+            c = Call(work.stage, n, N, n, sum(ctx), r_max=work.r_max, filled=filled, rows_sdpa=N * L,
+                     rows_paged=sum(-(-x // bs) * bs for x in ctx), prompt_tokens=sum(e - a for a, e in spans),
+                     prompt_rows=sum(e for _, e in spans),
+                     prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
+                     finals=len(work.finals))
+        t = self.cost(c)
+        self.clock += t
+        row = {"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens, "context": c.context,
+               "seconds": t, "prompt_tokens": c.prompt_tokens if work.stage is not Stage.PREFILL else c.tokens,
+               # what work.py counts: causal prefix rows of the prompt positions, head rows of final chunks
+               "context_pairs": (c.context_sq + c.tokens) // 2 if work.stage is Stage.PREFILL else 0,
+               "prompt_pairs": c.prompt_pairs, "finals": c.finals, "r_max": work.r_max or self.cfg.r_max}
+        if work.chunks:  # the launch's cost that the prompts add (weights are paid by the decode items anyway)
+            row["prompt_seconds"] = t - self.cost(c.without_prompts()) if n else t
+        self.trace.append(row)
+        if work.stage.emits:
+            self._stamp(seqs + work.finals if work.finals else seqs)
+        if work.stage is Stage.PRELUDE:
+            return None
+        if work.stage is Stage.CORE:
+            # the "learned" criterion's score is an exit probability (looplm/exits.py)
+            return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs])
+        return Emitted(self._rows(n + len(work.finals)))
+
+    def _stamp(self, seqs: list[Sequence]) -> None:
+        """The virtual time of each sequence's first and latest token (the engine stamps wall time)."""
+        for s in seqs:
+            self.first_at.setdefault(s.seq_id, self.clock)
+            self.last_at[s.seq_id] = self.clock
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """Logits of n emitting rows: every token is id `spec_token` (1)."""
+        return torch.tensor([[0.0, 1.0]]).expand(n, 2)
+
+    def _spec(self, work: Work) -> SpecOut:
+        """A speculative stage (infer/engine/speculative.py) on the clock: the launches it runs, each
+        priced as a decode launch of its items (unpadded, the eager path's SDPA gather to the
+        longest context), and the outcome: every chunk position exits at its recorded depth, and
+        a draft whose predecessors were accepted is accepted with probability `acceptance`
+        (LLMEngine.speculative_metrics' draft_accept_prob), independently of its depth (in the
+        engine the draft of a position that exits within the draft depth is always right; the
+        rate here is an overall one, as measured on a checkpoint)."""
+        bs, fill, dd = self.blocks.block_size, self.fill_slots, work.draft_depth
+        items = []  # (seq index, chunk index, context length, exit depth)
+        for b, (s, k) in enumerate(zip(work.seqs, work.spec)):
+            p = s.policy
+            for j in range(k):
+                d = max(p.r_min, min(p.r_max, self.depths_at(s, len(s.output_ids) + j)))
+                items.append((b, j, s.num_tokens + j, d))
+        rows: list[dict] = []
+
+        def launch(stage: Stage, its: list, phase: str, filled: int = 0) -> None:
+            if not its:
+                return
+            ctx = [c for _, _, c, _ in its]
+            n = len(its)
+            c = Call(stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
+                     rows_paged=sum(-(-x // bs) * bs for x in ctx))
+            t = self.cost(c)
+            self.clock += t
+            rows.append({"stage": stage.value, "batch": n, "padded": n, "tokens": n, "context": c.context,
+                         "seconds": t, "prompt_tokens": 0, "context_pairs": 0, "prompt_pairs": 0, "finals": 0,
+                         "r_max": self.cfg.r_max, "phase": phase, "score_reads": int(stage is Stage.CORE)})
+
+        for j in range(max(work.spec)):  # draft rounds: prelude, core steps up to the draft depth, coda
+            rnd = [it for it in items if it[1] == j]
+            launch(Stage.PRELUDE, rnd, "draft")
+            for st in range(1, dd + 1):
+                launch(Stage.CORE, [it for it in rnd if it[3] >= st], "draft")
+            launch(Stage.CODA, [it for it in rnd if j < work.spec[it[0]] - 1], "draft")
+        for st in range(dd + 1, max(it[3] for it in items) + 1):  # verify: each live position to its exit
+            launch(Stage.CORE, [it for it in items if it[3] >= st], "verify")
+        launch(Stage.CODA, items, "verify", filled=sum(fill(self.cfg, d) for *_, d in items))
+        for r in rows:
+            self.trace.append(r)
+        self._stamp(work.seqs)
+        drafts, tok = [], self.spec_token
+        for k in work.spec:  # a rejected draft is any other id: acceptance stops there (later draws unused)
+            drafts.append([tok if self._accept_rng.random() < self.acceptance else tok + 1 for _ in range(k - 1)])
+        depths = [[d for b2, _, _, d in items if b2 == b] for b in range(len(work.seqs))]
+        launches = {ph: sum(r["phase"] == ph for r in rows) for ph in ("draft", "verify")}
+        return SpecOut(self._rows(len(items)), list(work.spec), drafts, depths, launches, rows)
+
+    def depths_at(self, s: Sequence, i: int) -> int:
+        """The recorded exit depth of the sequence's output token i."""
+        return self.depths[int(s.request_id)][i]
+
+    def depth_of(self, s: Sequence) -> int:
+        """The recorded exit depth of the token the sequence is looping on (requests are numbered)."""
+        return self.depths_at(s, len(s.output_ids))
+
+    def _fires(self, s: Sequence) -> bool:
+        """The exit signal after this step, for a token whose recorded exit depth is d (lookahead:
+        the signal comes a step early)."""
+        p = s.policy
+        d = max(p.r_min, min(p.r_max, self.depth_of(s)))
+        step = s.step + 1
+        return step == d - 1 if p.lookahead else step == d
