@@ -246,7 +246,7 @@ def check_blocks(sch, bm):
     """Every block's reference count is the number of block tables holding it; held, free and
     cached blocks partition the pool; the cache map is consistent; no slot is held twice."""
     ch = sch.chunks
-    holders = sch._holders() + list(ch.partial) + [s for q in ch.at.values() for s in q]
+    holders = sch.preemption.holders() + list(ch.partial) + [s for q in ch.at.values() for s in q]
     assert len(holders) == len(set(map(id, holders)))
     count = [0] * bm.num_blocks
     for s in holders:
@@ -261,8 +261,8 @@ def check_blocks(sch, bm):
     assert all(bm.hash_of.get(b) == h for h, b in bm.by_hash.items()) and len(bm.by_hash) == len(bm.hash_of)
     assert cached <= set(bm.hash_of) and not free & set(bm.hash_of)
     assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
-    for s in sch._holders():
-        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
+    for s in sch.preemption.holders():
+        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.STALLED)
     for s in holders:  # Sequence.room follows every table change
         assert s.room == len(s.blocks) * bm.block_size - len(s.prompt_ids)
 

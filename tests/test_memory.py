@@ -171,13 +171,13 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
             else:
                 assert op.seq.seq_id in host
                 host.discard(op.seq.seq_id)
-        holders = sch._holders() + (work.seqs if work is not None and work.stage is Stage.PREFILL else [])
+        holders = sch.preemption.holders() + (work.seqs if work is not None and work.stage is Stage.PREFILL else [])
         owned = [b for s in holders for b in s.blocks]
         assert len(owned) == len(set(owned)) and not set(owned) & set(bm.free_blocks)
         assert len(owned) + len(bm.free_blocks) == bm.num_blocks
         assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
         for s in holders:
-            assert len(s.blocks) * 4 >= s.position + 1 - (s.stage is Stage.PRELUDE and s in sch.stalled)
+            assert len(s.blocks) * 4 >= s.position + 1 - (s.stage is Stage.STALLED)
             assert s.room == len(s.blocks) * 4 - len(s.prompt_ids)  # Sequence.room follows every table change
         steps += 1
         assert steps < 100000, "deadlock"

@@ -48,13 +48,12 @@ STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
 
 class ChunkQueues:
     def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_model_len: int,
-                 reserve_kv: bool = False, caching: bool = False, counters: dict | None = None):
+                 reserve_kv: bool = False, caching: bool = False):
         self.budget, self.chunked, self.r_full = budget, chunked, r_full
         self.blocks, self.max_model_len, self.reserve_kv = blocks, max_model_len, reserve_kv
         self.caching = caching
-        # prompt tokens looked up in the prefix cache and found there (the engine's metrics)
-        self.counters = counters if counters is not None else {}
-        self.counters.update(prefix_cache_queries=0, prefix_cache_hits=0)
+        # prompt tokens looked up in the prefix cache and found there (Scheduler.counters merges them)
+        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.at: dict[Stage, list[Sequence]] = {s: [] for s in STAGES}  # chunks waiting for that stage
         self.partial: deque[Sequence] = deque()  # admitted, a chunk done, the next one not yet admitted
 
@@ -67,9 +66,9 @@ class ChunkQueues:
         return sum(s.chunk[1] - s.chunk[0] for q in self.at.values() for s in q)
 
     def drop(self, seq: Sequence) -> None:
-        for q in (*self.at.values(), self.partial):
-            if seq in q:
-                q.remove(seq)
+        """Take a prefilling sequence (aborted) out of the one queue that holds it: a chunk in flight
+        waits for its stage (`seq.chunk` is set), a prompt between chunks in `partial`."""
+        (self.at[seq.stage] if seq.chunk is not None else self.partial).remove(seq)
 
     def admit(self, waiting: deque[Sequence], decode_items: int, running: int, max_batch: int, new: bool = True,
               keep_free: Callable[[int], int] = lambda admitted: 0) -> list[Sequence]:

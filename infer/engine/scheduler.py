@@ -1,5 +1,5 @@
 """The CDB scheduler: four queues, three policies, and every queue transition. Pure Python (no
-torch), so the simulator (infer/bench/sim.py) replays it on a cost model.
+torch), so the simulator (infer/sim/) replays it on a cost model.
 
 Queues (the paper's four): `waiting` (prefill), `prelude_q` (decode tokens waiting for the
 prelude), `core_q` (items at mixed depths waiting for their next core step), `coda_q` (exited
@@ -11,25 +11,20 @@ tokens waiting for the coda). `schedule()` picks the next stage and its batch:
   tokens leave the batch), then one coda; new requests are prefilled between cohorts.
 - `cdb`, refill=True: right after a prefill or a coda, the prelude; else the coda once at least
   `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step.
-With `prefill="mixed"` (the default) prompts do not get launches of their own: a prompt, or a
-chunk of one, rides in the prelude, core and coda launches (CB: the fused iteration) alongside the
-decode items (chunks.py has the admission rule and the token budget). Where the separate stage
-would have run (cb: before a fused iteration; cdb: before a prelude; refill: before a core step),
-the waiting prompts join a prelude (fused) launch instead; a finished chunk counts as K exits (its
-coda gives the prompt's first token). The refill priorities for decode items are unchanged.
-With `prefill="separate"` whole prompts run in their own prefill launches of at most
-`max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
+One ladder (`_policy`) serves both prefill modes; they differ in one step, `_prefill`:
+- `prefill="separate"`: whole prompts run in prefill launches of their own, of at most
+  `max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
+- `prefill="mixed"` (the default): prompt chunks (chunks.py: the admission rule and the token
+  budget) are admitted into a prelude launch (CB: the fused iteration), where the separate
+  prefill would have run; every prelude launch takes the chunks admissible then. A chunk then
+  rides in the core and coda launches alongside the decode items (`riding`), and a finished chunk
+  counts as K exits (its coda gives the prompt's first token).
 
-Memory (block_manager.py): admission (FIFO) gives a request its prompt's blocks (with prefix
-caching, the cached blocks of its prompt's head shared read-only: chunks.py), leaving a
-watermark free; a sequence that moves to the prelude queue gets the block of its next token's row
-first. When none is free, the most recently admitted running sequence is preempted: its blocks
-and slot are freed and a `SwapOp` tells the engine to copy its KV rows and per-slot state to host
-memory before the next stage runs (which may reuse them). Swapped sequences come back, oldest
-first and before any new admission, into fresh blocks, and re-enter the queue they left (the
-core queue too: the loop state travels with them). Exact for every layout: the numbers are
-copied, not recomputed. Host swap space is counted in blocks; when it is full the sequence that
-needs a block waits (`stalled`) while others run, unless nothing else could run.
+Memory: admission (FIFO) gives a request its prompt's blocks (with prefix caching, the cached
+blocks of its prompt's head shared read-only: chunks.py), leaving a watermark free; a token that
+moves to the prelude queue gets the block of its next row first, and when none is free someone
+is preempted (preemption.py: swap out, stall, resume). Each sequence's `stage` names the one
+container that holds it (`finish` takes it out of exactly that one).
 
 `postprocess(work, ...)` applies a stage's outcome: who moves to which queue, who finished. With
 the lookahead pipeline a core step's exit scores are read one core step late (while the next
@@ -47,12 +42,14 @@ from looplm.policy import ExitTracker
 
 from .block_manager import BlockManager
 from .chunks import ChunkQueues, final_chunks
+from .preemption import Preemption, SwapOp
 from .sequence import Sequence, Stage
 
 if TYPE_CHECKING:
     from .config import EngineConfig
 
-
+PREFILL, PRELUDE, CORE, CODA, FUSED, SPEC = (Stage.PREFILL, Stage.PRELUDE, Stage.CORE, Stage.CODA, Stage.FUSED,
+                                             Stage.SPEC)
 _seq_id = attrgetter("seq_id")
 
 
@@ -63,21 +60,11 @@ class Scores(Protocol):
 
 
 @dataclass
-class SwapOp:
-    """Copy a sequence's KV `blocks` and state `slot` to host ("out"), from host into new blocks
-    and slot ("in"), or forget its host copy ("drop": aborted while swapped)."""
-    kind: str
-    seq: Sequence
-    blocks: list[int]
-    slot: int
-
-
-@dataclass
 class Work:
     stage: Stage
     seqs: list[Sequence]  # decode items (PREFILL: whole prompts)
     r_max: int = 0  # FUSED: the loop steps of this iteration
-    chunks: list[Sequence] = field(default_factory=list)  # mixed prefill: prompt chunks riding along
+    chunks: list[Sequence] = field(default_factory=list)  # mixed prefill: the sequences whose prompt chunk rides along
     finals: list[Sequence] = field(default_factory=list)  # the chunks whose first token this launch samples
     # sequences whose slot or block table changed since the previous Work (admitted, swapped in,
     # resumed): the runner rewrites their per-slot metadata; every other slot is known to it already
@@ -87,9 +74,9 @@ class Work:
     grown: list[Sequence] = field(default_factory=list)
     # prompts aborted while prefilling since the previous Work: the runner drops their chunk state
     released: list[Sequence] = field(default_factory=list)
-    # SPEC: the positions each sequence verifies (1: a plain decode of its token) and the draft's depth cap
+    # SPEC: the positions each sequence verifies (its window; 1: a plain decode of its token) and the draft's depth cap
     spec: list[int] = field(default_factory=list)
-    spec_blocks: list[int] = field(default_factory=list)  # SPEC: each table's length before the chunk grew it
+    spec_blocks: list[int] = field(default_factory=list)  # SPEC: each table's length before the window grew it
     draft_depth: int = 0
 
 
@@ -97,26 +84,28 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, max_model_len: int, pipeline: bool = False,
                  swap_blocks: int | None = None, r_full: int = 0):
         self.cfg, self.blocks, self.max_model_len, self.pipeline = cfg, blocks, max_model_len, pipeline
-        self.swap_blocks = blocks.num_blocks if swap_blocks is None else swap_blocks  # host budget, in blocks
         self.watermark = 0 if cfg.reserve_kv else int(cfg.watermark * blocks.num_blocks)
-        self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
-        self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
-        self.swap_ops: list[SwapOp] = []  # for the engine to run before the next stage
         self.changed: list[Sequence] = []  # slot or block table changed since the last Work (Work.changed)
         self.grown: list[Sequence] = []  # block table grew since the last Work (Work.grown)
         self.released: list[Sequence] = []  # aborted while prefilling since the last Work (Work.released)
-        self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
-                         "swap_overcommits": 0}
-        # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
-        self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
-                                   cfg.reserve_kv, cfg.enable_prefix_caching, self.counters)
-                       if cfg.prefill == "mixed" else None)
         self.waiting: deque[Sequence] = deque()
         self.prelude_q: list[Sequence] = []
         self.core_q: list[Sequence] = []
         self.coda_q: list[Sequence] = []
         # the decode queue of each stage (built once: the queues are only ever changed in place)
-        self.queues = {Stage.PRELUDE: self.prelude_q, Stage.CORE: self.core_q, Stage.CODA: self.coda_q}
+        self.queues = {PRELUDE: self.prelude_q, CORE: self.core_q, CODA: self.coda_q}
+        # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
+        self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
+                                   cfg.reserve_kv, cfg.enable_prefix_caching) if cfg.prefill == "mixed" else None)
+        # the prompt chunks waiting for each decode stage (empty under separate prefill: one ladder reads both)
+        self.riding = self.chunks.at if self.chunks is not None else {s: [] for s in self.queues}
+        # the prefill step, the one point where the prefill modes differ (module docstring)
+        self._prefill = (self._prefill_launch if self.chunks is None else
+                         self._fused_chunks if cfg.policy == "cb" else self._prelude_chunks)
+        self.preemption = Preemption(blocks, self.queues, blocks.num_blocks if swap_blocks is None else swap_blocks,
+                                     self._keep_free, self._read_pending)
+        # preempted sequences (preemption.py's containers, changed in place only)
+        self.swapped, self.stalled = self.preemption.swapped, self.preemption.stalled
         self.last_stage: Stage | None = None
         self._pending: tuple[list[Sequence], Scores] | None = None  # pipeline: the last core step's scores
 
@@ -131,37 +120,39 @@ class Scheduler:
         return bool(self.waiting) or bool(self.swapped) or self.num_running > 0
 
     @property
-    def swapped_blocks(self) -> int:
-        return sum(n for _, _, n in self.swapped)
+    def counters(self) -> dict[str, int]:
+        """Preemption counters (preemption.py), and prefix-cache lookups under mixed prefill (chunks.py)."""
+        c = self.preemption.counters
+        return {**c, **self.chunks.counters} if self.chunks is not None else dict(c)
 
     def take_swaps(self) -> list[SwapOp]:
-        ops, self.swap_ops = self.swap_ops, []
-        return ops
+        return self.preemption.take_ops()
 
     def queue_lengths(self) -> dict[str, int]:
         return {"waiting": len(self.waiting), "prelude": len(self.prelude_q), "core": len(self.core_q),
                 "coda": len(self.coda_q)}
 
     def add(self, seq: Sequence) -> None:
-        seq.stage = Stage.PREFILL
+        seq.stage = PREFILL
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out of whichever queue holds it and release its memory (stop or abort)."""
-        q = self.waiting if seq.stage is Stage.PREFILL else self.queues.get(seq.stage)
-        if q is not None and seq in q:
-            q.remove(seq)
-        if seq in self.stalled:
-            self.stalled.remove(seq)
-        for i, (s, _, _) in enumerate(self.swapped):
-            if s is seq:
-                del self.swapped[i]
-                self.swap_ops.append(SwapOp("drop", seq, [], -1))
-                break
-        if self.chunks is not None:
+        """Take a sequence (stopped or aborted) out of the one container its stage names, and
+        release its memory."""
+        st = seq.stage
+        if seq.chunk is not None or st is PREFILL and seq.slot >= 0:  # prefilling: the runner holds chunk state
             self.chunks.drop(seq)
-            if seq.slot >= 0 and not seq.output_ids:  # admitted, prompt not done: the runner holds chunk state
-                self.released.append(seq)
+            self.released.append(seq)
+        elif st is PREFILL:
+            self.waiting.remove(seq)
+        elif st is Stage.STALLED or st is Stage.SWAPPED:
+            self.preemption.drop(seq)
+        elif st is not None:
+            self.queues[st].remove(seq)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        """Free a finished sequence's blocks and slot (it is in no container any more)."""
         if seq.blocks or seq.slot >= 0:
             self.blocks.free(seq.blocks, seq.slot)
             seq.blocks, seq.slot = [], -1
@@ -169,24 +160,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- policy
     def schedule(self) -> Work | None:
-        c = self.cfg
-        self._resume()
-        work = self._speculate() if c.speculative_tokens else None
-        if work is not None:
-            pass
-        elif self.chunks is not None:
-            work = self._schedule_mixed()
-        elif c.policy == "cb":
-            work = self._prefill() or self._fused()
-        elif not c.refill:
-            work = (self._take(Stage.CORE) or self._take(Stage.CODA) or self._prefill() or
-                    self._take(Stage.PRELUDE))
-        elif self.last_stage in (Stage.PREFILL, Stage.CODA) and self.prelude_q:
-            work = self._take(Stage.PRELUDE)
-        elif self.coda_q and (len(self.coda_q) >= c.min_coda_batch or not self.core_q):
-            work = self._take(Stage.CODA)
-        else:
-            work = self._prefill() or self._take(Stage.CORE) or self._take(Stage.PRELUDE)
+        back = self.preemption.resume()
+        if back:
+            self.changed += back
+        work = self._speculate() if self.cfg.speculative_tokens else None
+        if work is None:
+            work = self._policy()
         if work is not None:
             self.last_stage = work.stage
             if self.changed:
@@ -196,6 +175,22 @@ class Scheduler:
             if self.released:
                 work.released, self.released = self.released, []
         return work
+
+    def _policy(self) -> Work | None:
+        """The policy ladder (module docstring), for both prefill modes: `_prefill` is the prefill
+        step, `_prelude` a prelude launch (under mixed prefill it takes the chunks admissible)."""
+        c, at = self.cfg, self.riding
+        if c.policy == "cb":
+            return self._prefill() or self._fused()
+        if not c.refill:
+            return self._take(CORE) or self._take(CODA) or self._prefill() or self._prelude()
+        if self.last_stage in (PREFILL, CODA) and (self.prelude_q or at[PRELUDE]):
+            return self._prelude()
+        if (self.coda_q or at[CODA]) and (len(self.coda_q) >= c.min_coda_batch or at[CODA]
+                                          or not (self.core_q or at[CORE])):
+            return self._take(CODA)  # (a finished chunk counts as K exits: its first token waits)
+        return self._prefill() or self._take(CORE) or self._prelude()
+
 
     def _speculate(self) -> Work | None:
         """Self-speculation (speculative.py) when few sequences run: at most
@@ -241,67 +236,8 @@ class Scheduler:
             return None
         return Work(Stage.SPEC, list(q), spec=ks, spec_blocks=held, draft_depth=c.draft_depth)
 
-    def _schedule_mixed(self) -> Work | None:
-        """The same priorities with prompt chunks riding in the decode launches (module docstring)."""
-        c, ch = self.cfg, self.chunks.at
-        if c.policy == "cb":
-            return self._fused_mixed()
-        if not c.refill:
-            return self._take(Stage.CORE) or self._take(Stage.CODA) or self._prelude_mixed()
-        if self.last_stage is Stage.CODA and (self.prelude_q or ch[Stage.PRELUDE]):
-            return self._prelude_mixed()
-        if (self.coda_q or ch[Stage.CODA]) and (len(self.coda_q) >= c.min_coda_batch or ch[Stage.CODA]
-                                               or not (self.core_q or ch[Stage.CORE])):
-            return self._take(Stage.CODA)
-        return self._prelude_mixed(admit_only=True) or self._take(Stage.CORE) or self._prelude_mixed()
-
-    def _admit(self) -> list[Sequence]:
-        decode = len(self.prelude_q) + len(self.core_q) + len(self.coda_q)
-        # swapped sequences come back before any new admission (FIFO); admission leaves the watermark
-        out = self.chunks.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
-                                new=not self.swapped, keep_free=self._keep_free)
-        self.changed += out  # new slots and block tables (a later chunk's: unchanged, rewritten all the same)
-        return out
-
-    def _prelude_mixed(self, admit_only: bool = False) -> Work | None:
-        """A prelude launch: the decode tokens waiting for it, the chunks admitted before, and the
-        chunks admitted now. `admit_only`: only if a new chunk was admitted."""
-        if not self._admit() and admit_only:
-            return None
-        return self._take(Stage.PRELUDE)
-
-    def _fused_mixed(self) -> Work | None:
-        """CB with prompts inside the fused iteration (vLLM's chunked prefill): the iteration runs at
-        the model's r_max when prompts ride along; a group of requests that asked for a lower r_max
-        runs without them (round robin, as in `_fused`)."""
-        r_full = self.chunks.r_full
-        group = self._fused()
-        if group is not None and group.r_max != r_full:
-            return group
-        self._admit()
-        chunks = list(self.chunks.at[Stage.PRELUDE])  # under CB a chunk is admitted and done in one launch
-        if group is None and not chunks:
-            return None
-        work = group or Work(Stage.FUSED, [], r_max=r_full)
-        work.chunks, work.finals = chunks, final_chunks(chunks)
-        return work
-
-    def _take(self, stage: Stage) -> Work | None:
-        q = self.queues[stage]
-        chunks = list(self.chunks.at[stage]) if self.chunks is not None else []
-        if not q and not chunks:
-            return None
-        return Work(stage, list(q), chunks=chunks, finals=final_chunks(chunks) if stage is Stage.CODA else [])
-
-    def _fused(self) -> Work | None:
-        """CB runs one depth per iteration: the running sequences that share the r_max of the one
-        that has waited longest (round robin between groups, so none starves)."""
-        if not self.prelude_q:
-            return None
-        d = self.prelude_q[0].policy.r_max
-        return Work(Stage.FUSED, [s for s in self.prelude_q if s.policy.r_max == d], r_max=d)
-
-    def _prefill(self) -> Work | None:
+    def _prefill_launch(self) -> Work | None:
+        """Separate prefill's step: a prefill launch of the waiting prompts (FIFO) that fit."""
         batch: list[Sequence] = []
         tokens = 0
         while self.waiting and not self.swapped and self.num_running + len(batch) < self.cfg.max_batch_size:
@@ -317,21 +253,67 @@ class Scheduler:
             batch.append(self.waiting.popleft())
             tokens += n
         self.changed += batch
-        return Work(Stage.PREFILL, batch) if batch else None
+        return Work(PREFILL, batch) if batch else None
+
+    def _prelude_chunks(self) -> Work | None:
+        """Mixed prefill's step under CDB: a prelude launch, if a new prompt chunk was admitted."""
+        return self._take(PRELUDE) if self._admit() else None
+
+    def _fused_chunks(self) -> Work | None:
+        """Mixed prefill's step under CB (vLLM's chunked prefill): prompt chunks admitted into the
+        fused iteration, which then runs at the model's r_max; a group of requests that asked for a
+        lower r_max runs without them (round robin, as in `_fused`)."""
+        r_full, q = self.chunks.r_full, self.prelude_q
+        if q and q[0].policy.r_max != r_full:
+            return None
+        self._admit()
+        chunks = list(self.riding[PRELUDE])  # under CB a chunk is admitted and done in one launch
+        if not chunks:
+            return None
+        work = self._fused() or Work(FUSED, [], r_max=r_full)
+        work.chunks, work.finals = chunks, final_chunks(chunks)
+        return work
+
+    def _admit(self) -> list[Sequence]:
+        decode = len(self.prelude_q) + len(self.core_q) + len(self.coda_q)
+        # swapped sequences come back before any new admission (FIFO); admission leaves the watermark
+        out = self.chunks.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
+                                new=not self.swapped, keep_free=self._keep_free)
+        self.changed += out  # new slots and block tables (a later chunk's: unchanged, rewritten all the same)
+        return out
+
+    def _prelude(self) -> Work | None:
+        if self.chunks is not None:
+            self._admit()
+        return self._take(PRELUDE)
+
+    def _take(self, stage: Stage) -> Work | None:
+        q, ch = self.queues[stage], self.riding[stage]
+        if not ch:
+            return Work(stage, list(q)) if q else None
+        chunks = list(ch)
+        return Work(stage, list(q), chunks=chunks, finals=final_chunks(chunks) if stage is CODA else [])
+
+    def _fused(self) -> Work | None:
+        """CB runs one depth per iteration: the running sequences that share the r_max of the one
+        that has waited longest (round robin between groups, so none starves)."""
+        if not self.prelude_q:
+            return None
+        d = self.prelude_q[0].policy.r_max
+        return Work(FUSED, [s for s in self.prelude_q if s.policy.r_max == d], r_max=d)
 
     # ---------------------------------------------------------------- transitions
     def postprocess(self, work: Work, scores: Scores | None = None, finished: dict[int, str] | None = None) -> None:
         """Apply a stage's outcome. CORE: its exit `scores`; stages that emit a token: `finished`
         maps the seq_id of each sequence that stopped to its finish reason; the rest decode on.
         The per-item loops here run once per item per stage: they stay free of calls where they can
-        (the host time per stage is what a GPU waits on; python -m infer.bench_host measures it)."""
+        (the host time per stage is what a GPU waits on; infer/bench/host.py measures it)."""
         done = self.chunks.after(work.stage, work.chunks) if self.chunks is not None else []
         seqs = work.seqs
-        if work.stage is Stage.PRELUDE:
+        if work.stage is PRELUDE:
             self._drop(seqs, self.prelude_q)
-            core = Stage.CORE
             for s in seqs:
-                s.stage, s.step, s.step_scored = core, 0, 0
+                s.stage, s.step, s.step_scored = CORE, 0, 0
                 t = s.tracker
                 if t is None:
                     s.tracker = ExitTracker(s.policy)
@@ -341,14 +323,13 @@ class Scheduler:
                 for s, cdf in zip(seqs, scores.get()):
                     s.tracker.at_prelude(cdf)
             self.core_q += seqs
-        elif work.stage is Stage.CORE:
+        elif work.stage is CORE:
             self._after_core(seqs, scores)
         else:
-            src = self.coda_q if work.stage is Stage.CODA else \
-                self.prelude_q if work.stage in (Stage.FUSED, Stage.SPEC) else None
+            src = self.coda_q if work.stage is CODA else self.prelude_q if work.stage in (FUSED, SPEC) else None
             if src is not None:
                 self._drop(seqs, src)
-            if work.stage is Stage.SPEC:  # rollback: the blocks the chunk took past the last accepted
+            if work.stage is SPEC:  # rollback: the blocks the window took past the last accepted
                 B = self.blocks.block_size  # position go back (never one held before: reserve_kv's stay)
                 for s, n in zip(seqs, work.spec_blocks):
                     if not finished or s.seq_id not in finished:
@@ -358,22 +339,21 @@ class Scheduler:
             if finished:
                 for s in going:
                     if s.seq_id in finished:
-                        self.finish(s, finished[s.seq_id])
+                        self._release(s, finished[s.seq_id])  # (out of its queue already)
                 going = [s for s in going if s.seq_id not in finished]
-            pre = Stage.PRELUDE
             # the block of the next token's row, oldest first (it keeps its memory); only a sequence
             # whose next row falls past its last block needs one (one token in block_size)
             need = []
             for s in going:
-                s.stage = pre
+                s.stage = PRELUDE
                 if len(s.output_ids) > s.room:
                     need.append(s)
             self.prelude_q += going
             if need:
                 need.sort(key=_seq_id)
                 for s in need:
-                    if s.slot >= 0:  # not preempted for an older one meanwhile
-                        self._grow(s)
+                    if s.slot >= 0 and self.preemption.grow(s):  # (slot < 0: preempted for an older one meanwhile)
+                        self.grown.append(s)
 
     @staticmethod
     def _drop(seqs: list[Sequence], q: list[Sequence]) -> None:
@@ -412,18 +392,16 @@ class Scheduler:
                     exited.append(s)
         if exited:
             self._drop(exited, self.core_q)
-            coda = Stage.CODA
             for s in exited:
-                s.stage = coda
+                s.stage = CODA
             self.coda_q += exited
 
     @staticmethod
     def _score(items: list[Sequence], scores: Scores | None) -> None:
         if scores is None:
             return
-        core = Stage.CORE
         for s, x in zip(items, scores.get()):
-            if s.stage is core and s.step_scored < s.step:  # still looping on the step that was scored
+            if s.stage is CORE and s.step_scored < s.step:  # still looping on the step that was scored
                 t = s.tracker
                 if t.open:
                     t.after_step(s.step, x)
@@ -434,63 +412,7 @@ class Scheduler:
         """Blocks admission leaves free for running sequences to grow (none if nothing runs)."""
         return self.watermark if self.num_running + admitted > 0 else 0
 
-    def _grow(self, s: Sequence) -> None:
-        """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
-        recently admitted running sequences (possibly `s` itself) until one is free."""
-        while not self.blocks.grow(s.blocks, s.num_tokens):  # the rows of positions 0..position
-            victim = max(self._holders(), key=lambda x: x.seq_id)
-            others_run = any(x is not victim for x in self.prelude_q + self.core_q + self.coda_q if x is not s)
-            if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
-                if others_run:  # swap space full: wait for a running sequence to finish
-                    self.counters["stalls"] += 1
-                    self.prelude_q.remove(s)
-                    self.stalled.append(s)
-                    return
-                self.counters["swap_overcommits"] += 1  # nothing else could run: never deadlock
-            self._swap_out(victim)
-            if victim is s:
-                return
-        s.fit_blocks(self.blocks.block_size)
-        self.grown.append(s)
-
-    def _holders(self) -> list[Sequence]:
-        return self.prelude_q + self.core_q + self.coda_q + self.stalled
-
-    def _swap_out(self, s: Sequence) -> None:
-        if s.stage is Stage.CORE and self._pending is not None:
-            self._score(*self._pending)  # read its in-flight exit score now, while it is a core item
-        if s in self.stalled:
-            self.stalled.remove(s)
-        else:
-            q = self.queues[s.stage]
-            q.remove(s)
-        self.swap_ops.append(SwapOp("out", s, s.blocks, s.slot))
-        self.blocks.free(s.blocks, s.slot)
-        self.swapped.append((s, s.stage, len(s.blocks)))
-        self.swapped.sort(key=lambda x: x[0].seq_id)
-        self.counters["preemptions"] += 1
-        self.counters["swapped_out_blocks"] += len(s.blocks)
-        s.blocks, s.slot = [], -1
-
-    def _resume(self) -> None:
-        """Before scheduling: stalled sequences take freed blocks, then swapped ones come back,
-        oldest first (FIFO; new admissions wait until none is swapped)."""
-        for s in list(self.stalled):
-            if not self.blocks.grow(s.blocks, s.position + 1):
-                break
-            s.fit_blocks(self.blocks.block_size)
-            self.stalled.remove(s)
-            self.prelude_q.append(s)
-            self.changed.append(s)
-        while self.swapped and not self.stalled:
-            s, stage, n = self.swapped[0]
-            if not self.blocks.can_allocate(s.position + 1, self._keep_free(0)):
-                break
-            s.blocks, s.slot = self.blocks.allocate(s.position + 1)
-            s.fit_blocks(self.blocks.block_size)
-            self.swapped.pop(0)
-            self.swap_ops.append(SwapOp("in", s, s.blocks, s.slot))
-            self.changed.append(s)
-            self.counters["swapped_in_blocks"] += n
-            self.queues[stage].append(s)
-            s.stage = stage
+    def _read_pending(self) -> None:
+        """Pipeline: read the in-flight core step's exit scores now (a core item is leaving: preemption.py)."""
+        if self._pending is not None:
+            self._score(*self._pending)

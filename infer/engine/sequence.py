@@ -21,7 +21,10 @@ class Stage(enum.Enum):
     CORE = "core"  # one loop step for items at mixed depths; queue 3
     CODA = "coda"  # exited tokens -> logits; queue 4
     FUSED = "fused"  # CB: prelude + r_max core steps + coda in one launch
-    SPEC = "spec"  # self-speculation: draft + verify chunks of positions (speculative.py); consumes queue 2
+    SPEC = "spec"  # self-speculation: draft + verify a window of positions per sequence (speculative.py); consumes queue 2
+    # not stages the engine runs: where a preempted sequence waits (preemption.py)
+    STALLED = "stalled"  # holds its blocks and slot, waits for the block of its next row
+    SWAPPED = "swapped"  # its KV and state are in host memory
 
     # Members are singletons compared by identity, so identity is a valid hash; Enum's own
     # __hash__ is a Python-level hash(name), paid at every Stage-keyed lookup of every stage.

@@ -1,0 +1,144 @@
+"""Preemption, stall and resume: what the scheduler does when a decode token's next KV row needs a
+block and none is free. Pure Python (no torch), replayed by the simulator like the scheduler.
+
+A sequence that moves to the prelude queue gets the block of its next token's row first (`grow`).
+When none is free, the most recently admitted running sequence is preempted: its blocks and slot
+are freed and a `SwapOp` tells the engine to copy its KV rows and per-slot state to host memory
+before the next stage runs (which may reuse them). Swapped sequences come back (`resume`), oldest
+first and before any new admission, into fresh blocks, and re-enter the queue they left (the core
+queue too: the loop state travels with them). Exact for every layout: the numbers are copied, not
+recomputed. Host swap space is counted in blocks; when it is full the sequence that needs a block
+waits (`stalled`) while others run, unless nothing else could run (then it is swapped out all the
+same: `swap_overcommits`, so that nothing deadlocks).
+
+Where a preempted sequence waits is its `stage`: `Stage.STALLED` (in `stalled`, holding its blocks
+and slot, back to the prelude queue once a block is free) or `Stage.SWAPPED` (in `swapped`, holding
+neither; the entry keeps the stage it returns to and the blocks its host copy holds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Callable
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Stage
+
+_seq_id = attrgetter("seq_id")
+
+
+@dataclass
+class SwapOp:
+    """Copy a sequence's KV `blocks` and state `slot` to host ("out"), from host into new blocks
+    and slot ("in"), or forget its host copy ("drop": aborted while swapped)."""
+    kind: str
+    seq: Sequence
+    blocks: list[int]
+    slot: int
+
+
+class Preemption:
+    def __init__(self, blocks: BlockManager, queues: dict[Stage, list[Sequence]], swap_blocks: int,
+                 keep_free: Callable[[int], int], read_pending: Callable[[], None]):
+        """`queues`: the scheduler's decode queue of each stage (changed in place only, so these are
+        the scheduler's own lists); `swap_blocks`: the host budget, in blocks; `keep_free`: the
+        blocks admission leaves free (Scheduler._keep_free); `read_pending`: reads the exit scores
+        of the core step in flight (the lookahead pipeline) before a core item leaves."""
+        self.blocks, self.queues, self.swap_blocks = blocks, queues, swap_blocks
+        self.prelude_q = queues[Stage.PRELUDE]
+        self.keep_free, self.read_pending = keep_free, read_pending
+        self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
+        self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
+        self.ops: list[SwapOp] = []  # for the engine to run before the next stage
+        self.counters = {"preemptions": 0, "swapped_out_blocks": 0, "swapped_in_blocks": 0, "stalls": 0,
+                         "swap_overcommits": 0}
+
+    @property
+    def swapped_blocks(self) -> int:
+        return sum(n for _, _, n in self.swapped)
+
+    def take_ops(self) -> list[SwapOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def holders(self) -> list[Sequence]:
+        """The decode sequences that hold blocks and a slot (the preemption candidates)."""
+        return self.prelude_q + self.queues[Stage.CORE] + self.queues[Stage.CODA] + self.stalled
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget a stalled or swapped sequence (aborted): it leaves its container, and a swapped
+        one's host copy goes."""
+        if seq.stage is Stage.STALLED:
+            self.stalled.remove(seq)
+            return
+        for i, (s, _, _) in enumerate(self.swapped):
+            if s is seq:
+                del self.swapped[i]
+                self.ops.append(SwapOp("drop", seq, [], -1))
+                return
+
+    def grow(self, s: Sequence) -> bool:
+        """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
+        recently admitted running sequences (possibly `s` itself) until one is free. True: `s`
+        grew (Work.grown); False: it stalled or was swapped out."""
+        while not self.blocks.grow(s.blocks, s.num_tokens):  # the rows of positions 0..position
+            victim = max(self.holders(), key=_seq_id)
+            others_run = any(x is not victim for x in self.prelude_q + self.queues[Stage.CORE] +
+                             self.queues[Stage.CODA] if x is not s)
+            if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
+                if others_run:  # swap space full: wait for a running sequence to finish
+                    self.counters["stalls"] += 1
+                    self.prelude_q.remove(s)
+                    self.stalled.append(s)
+                    s.stage = Stage.STALLED
+                    return False
+                self.counters["swap_overcommits"] += 1  # nothing else could run: never deadlock
+            self.swap_out(victim)
+            if victim is s:
+                return False
+        s.fit_blocks(self.blocks.block_size)
+        return True
+
+    def swap_out(self, s: Sequence) -> None:
+        stage = s.stage
+        if stage is Stage.CORE:
+            self.read_pending()  # read its in-flight exit score now, while it is a core item
+        if stage is Stage.STALLED:
+            self.stalled.remove(s)
+            stage = Stage.PRELUDE
+        else:
+            self.queues[stage].remove(s)
+        self.ops.append(SwapOp("out", s, s.blocks, s.slot))
+        self.blocks.free(s.blocks, s.slot)
+        self.swapped.append((s, stage, len(s.blocks)))
+        self.swapped.sort(key=lambda x: x[0].seq_id)
+        self.counters["preemptions"] += 1
+        self.counters["swapped_out_blocks"] += len(s.blocks)
+        s.blocks, s.slot, s.stage = [], -1, Stage.SWAPPED
+
+    def resume(self) -> list[Sequence]:
+        """Before scheduling: stalled sequences take freed blocks, then swapped ones come back,
+        oldest first (FIFO; new admissions wait until none is swapped). Returns the sequences that
+        got blocks and a slot back (Work.changed)."""
+        back: list[Sequence] = []
+        for s in list(self.stalled):
+            if not self.blocks.grow(s.blocks, s.position + 1):
+                break
+            s.fit_blocks(self.blocks.block_size)
+            self.stalled.remove(s)
+            self.prelude_q.append(s)
+            s.stage = Stage.PRELUDE
+            back.append(s)
+        while self.swapped and not self.stalled:
+            s, stage, n = self.swapped[0]
+            if not self.blocks.can_allocate(s.position + 1, self.keep_free(0)):
+                break
+            s.blocks, s.slot = self.blocks.allocate(s.position + 1)
+            s.fit_blocks(self.blocks.block_size)
+            self.swapped.pop(0)
+            self.ops.append(SwapOp("in", s, s.blocks, s.slot))
+            back.append(s)
+            self.counters["swapped_in_blocks"] += n
+            self.queues[stage].append(s)
+            s.stage = stage
+        return back
