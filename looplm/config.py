@@ -54,6 +54,10 @@ class LoopConfig:
     # per-step probability)
     lookahead_gate: bool = False
     preloop_gate: bool = False
+    # the depths 1..preloop_depths the preloop gate's distribution covers (its rows): the r_max it was
+    # distilled at, kept when r_max is overridden (a sweep to a lower r_max reads the same head and
+    # clamps its depth there, as a request's lower r_max does); None without a preloop gate
+    preloop_depths: int | None = None
     gate_teacher: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -92,6 +96,12 @@ class LoopConfig:
                 raise ValueError(f"exit_criterion {crit!r} needs a distilled {key} head ({key}=true; "
                                  f"train/distill_gate.py writes one)")
         check_depths(self.r_min, self.r_max)
+        if not self.preloop_gate:
+            self.preloop_depths = None
+        elif self.preloop_depths is None:
+            self.preloop_depths = self.r_max  # a head made for this config (train/distill_gate.py)
+        elif not isinstance(self.preloop_depths, int) or self.preloop_depths < 1:
+            raise ValueError(f"preloop_depths must be an integer >= 1, got {self.preloop_depths!r}")
 
     @property
     def num_loop_layers(self) -> int:
@@ -131,6 +141,8 @@ class LoopConfig:
         ours.update({k: getattr(self, k) for k in ("kv_layout", "exit_lookahead", "gate_teacher")
                      if getattr(self, k) is not None})
         ours.update({k: True for k in ("lookahead_gate", "preloop_gate") if getattr(self, k)})
+        if self.preloop_depths not in (None, self.r_max):  # written only where it differs (r_max overridden)
+            ours["preloop_depths"] = self.preloop_depths
         if self.arch == "ouro":
             d = {
                 "model_type": "ouro", "architectures": ["OuroForCausalLM"],
@@ -169,7 +181,7 @@ class LoopConfig:
 
 def _ours(d: dict[str, Any]) -> dict[str, Any]:
     out = {k: d[k] for k in ("exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead",
-                             "lookahead_gate", "preloop_gate", "gate_teacher") if k in d}
+                             "lookahead_gate", "preloop_gate", "preloop_depths", "gate_teacher") if k in d}
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = d.get(k)
         if isinstance(v, list):  # HF allows a list of eos ids; the first is the canonical one
@@ -192,7 +204,7 @@ _HUGINN_KEYS = {"model_type", "architectures", "vocab_size", "padded_vocab_size"
                 "mean_recurrence", "norm_eps", "rope_base", "block_size", "qk_bias", "bias",
                 "tie_embeddings", "injection_type", "state_init", "init_values"}
 _OUR_KEYS = {"exit_criterion", "exit_threshold", "r_min", "exit_gate", "kv_layout", "exit_lookahead",
-             "lookahead_gate", "preloop_gate", "gate_teacher",
+             "lookahead_gate", "preloop_gate", "preloop_depths", "gate_teacher",
              "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids"}
 
 

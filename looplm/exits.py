@@ -25,7 +25,10 @@ def gate_for(model, criterion: str, state: torch.Tensor) -> torch.Tensor | None:
 
 
 def preloop_cdf(model, state: torch.Tensor, inj: torch.Tensor | None) -> torch.Tensor:
-    """The preloop gate's exit-depth CDF [N, r_max] (float64) from the prelude's output."""
+    """The preloop gate's exit-depth CDF [N, preloop_depths] (float64) from the prelude's output.
+    Below the head's depths (r_max overridden lower, or a request's r_max) it is not cut and
+    renormalised: the tracker clamps the depth to r_max (ExitTracker.at_prelude), so the mass of the
+    deeper depths is a forced exit at r_max, as the loop treats r_max under every criterion."""
     return torch.softmax(model.preloop_logits(state, inj).double(), dim=-1).cumsum(-1)
 
 

@@ -63,18 +63,19 @@ class LoopedLM(nn.Module):
     def add_distilled_gates(self) -> None:
         """Create the heads the config names (call at the end of an architecture's __init__): a
         lookahead head Linear(d -> 1) on the stock gate's input, whose score after step s predicts the
-        stock gate's at step s+1, and a preloop gate Linear(d -> r_max) on the prelude output."""
+        stock gate's at step s+1, and a preloop gate Linear(d -> preloop_depths) on the prelude output
+        (preloop_depths: the r_max it was distilled at, config.py)."""
         d = self.cfg.hidden_size
         if self.cfg.lookahead_gate:
             self.lookahead_exit_gate = nn.Linear(d, 1)
         if self.cfg.preloop_gate:
-            self.preloop_exit_gate = nn.Linear(d, self.cfg.r_max)
+            self.preloop_exit_gate = nn.Linear(d, self.cfg.preloop_depths)
 
     def lookahead_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.lookahead_exit_gate(self.gate_features(state)).squeeze(-1)
 
     def preloop_logits(self, state: torch.Tensor, inj: torch.Tensor | None) -> torch.Tensor:
-        """[..., r_max] exit-depth logits from the prelude's output: Huginn's injection input (its
+        """[..., preloop_depths] exit-depth logits from the prelude's output: Huginn's injection input (its
         initial loop state is zeros), Ouro's embedding (its initial loop state)."""
         return self.preloop_exit_gate(inj if inj is not None else state)
 

@@ -79,6 +79,11 @@ class ExitPolicy:
             raise ParamError("exit_criterion", f"exit criterion {crit!r} needs the checkpoint's {head} head, which "
                                                f"{cfg.name} lacks" + ("" if head == "exit_gate" else
                                                                       " (train/distill_gate.py distils one)"))
+        if crit == "preloop" and not full_depth and cfg.r_max > cfg.preloop_depths:
+            # its distribution stops at the depth it was distilled at, whose bin means "forced exit there"
+            raise ParamError("r_max", f"r_max={cfg.r_max} exceeds the {cfg.preloop_depths} depths the model's "
+                                      f"preloop_gate head covers (the r_max it was distilled at): use r_max <= "
+                                      f"{cfg.preloop_depths} or another exit criterion")
         thr = threshold if threshold is not None else cfg.exit_threshold
         if thr is None and crit in DEFAULT_THRESHOLDS:
             thr = DEFAULT_THRESHOLDS[crit]
@@ -141,8 +146,9 @@ class ExitTracker:
         return s >= self.stop_at
 
     def at_prelude(self, cdf: list[float]) -> None:
-        """The preloop criterion: fix the exit depth from the exit-depth CDF [r_max] read at the
-        prelude (the first depth whose CDF >= q, clamped to [r_min, r_max])."""
+        """The preloop criterion: fix the exit depth from the exit-depth CDF [preloop_depths >= r_max]
+        read at the prelude (the first depth whose CDF >= q, clamped to [r_min, r_max]: a depth past
+        r_max is the forced exit at r_max)."""
         if self.open:
             d = bisect_left(cdf, self._thr) + 1  # a cumsum of probabilities is non-decreasing
             self.exit_at = self.stop_at = min(max(d, self._r_min), self._r_max)

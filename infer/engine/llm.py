@@ -36,6 +36,8 @@ def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_ma
     kw = {} if r_max is None else {"r_max": r_max}
     if isinstance(model, LoopedLM):
         m = model.to(device=device, dtype=resolve_dtype(dtype)).eval()
+        if r_max is not None and r_max != m.cfg.r_max:  # the same weights at another depth (a copy: the caller's stays)
+            m = model_from_state(replace(m.cfg, r_max=r_max), dict(m.state_dict()), m.dtype, m.device)
         return (_split_weights(m, layer_split) if layer_split is not None else m), None
     if isinstance(model, str) and model in PRESETS:
         m = tiny_model(model, dtype=resolve_dtype(dtype), **kw).to(device)
