@@ -32,18 +32,15 @@ def run_engine(model, cfg: EngineConfig, reqs, instrument: bool = False, paged: 
         eng.runner.enable_paged(compile=paged == "compiled")
     events = []
     if instrument:
-        orig = eng.runner.run
-
-        def timed(work):
+        def timed(work, seconds):  # an on_launch instrument: an event before and after each core launch
             if work.stage.value != "core":
-                return orig(work)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = orig(work)
-            end.record()
-            events.append((step_no[0], start, end))
-            return out
-        eng.runner.run = timed
+                return
+            if seconds is None:
+                events.append((step_no[0], torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][1].record()
+            else:
+                events[-1][2].record()
+        eng.on_launch.append(timed)
     step_no = [0]  # engine steps so far: tells whether two core launches were consecutive
     seqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in reqs]
     if model.device.type == "cuda":

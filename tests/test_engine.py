@@ -173,27 +173,6 @@ def test_text_prompts_stop_strings_and_progress(tmp_path):
     assert len(outs) == 40 and all(o.prompt == "the dog" for o in outs)
 
 
-def test_runners_satisfy_the_runner_protocol():
-    """The engine drives ModelRunner and the simulator's SimRunner through the same protocol."""
-    import inspect
-    from functools import partial
-
-    from infer.sim.runner import SimModel, SimRunner
-    from infer.engine.runner import ModelRunner, Runner
-    for cls in (ModelRunner, SimRunner):
-        for name in ("run", "padded"):
-            assert list(inspect.signature(getattr(cls, name)).parameters) == \
-                list(inspect.signature(getattr(Runner, name)).parameters), (cls.__name__, name)
-    real = LLMEngine(model("ouro-tiny"), EngineConfig(kv_cache_tokens=64))
-    fake = LLMEngine(SimModel(model("ouro-tiny").cfg), EngineConfig(kv_cache_tokens=64),
-                     runner_cls=partial(SimRunner, cost=lambda c: 1e-3, depths=[[4, 2, 3]]))
-    assert isinstance(real.runner, Runner) and isinstance(fake.runner, Runner)
-    fake.add_request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True), request_id="0")
-    while fake.has_unfinished():
-        fake.step()
-    assert fake.output(fake.seqs["0"]).exit_depths == [4, 2, 3]
-
-
 @pytest.mark.parametrize("call,param", [
     (lambda e: e.add_request([1, 2], SamplingParams(max_tokens=0)), "max_tokens"),
     (lambda e: e.add_request([], SamplingParams()), "prompt"),

@@ -89,8 +89,17 @@ class EngineConfig:
     trace: bool = _f(False, "record every step (stage, batch, context, seconds) in engine.trace")
 
     def __post_init__(self) -> None:
-        # the one validation of every setting: it runs on the explicit values at construction and
-        # again on the filled-in values, since resolve() builds its result with dataclasses.replace
+        # runs on the explicit values at construction and again on the filled-in values, since
+        # resolve() builds its result with dataclasses.replace
+        self.refuse()
+
+    def refuse(self, cfg: LoopConfig | None = None, device: torch.device | str = "cpu", pol: ExitPolicy | None = None,
+               full: bool = False, draft: int | None = None) -> None:
+        """Every refusal of a setting, in one place (a ParamError naming the setting). Without a
+        checkpoint (at construction): each setting's range and the settings that contradict each
+        other. With one (`resolve`, on the explicit values, with the policy `pol`, exits disabled
+        `full` and the draft depth `draft` it resolved): what the checkpoint or the device cannot
+        serve."""
         if self.policy not in POLICIES:
             raise ParamError("policy", f"unknown policy {self.policy!r}; supported: {POLICIES}")
         if self.kv_layout is not None:
@@ -116,6 +125,27 @@ class EngineConfig:
         if self.pipeline and self.lookahead is False:
             raise ParamError("pipeline", "pipeline=True needs lookahead=True (the exit signal must come one step "
                                          "early)")
+        if cfg is None:
+            return
+        if self.lookahead is not None and pol.criterion in ("lookahead_gate", "preloop") and \
+                self.lookahead != (pol.criterion == "lookahead_gate"):
+            raise ParamError("lookahead", f"lookahead={self.lookahead} contradicts the {pol.criterion} criterion "
+                                          "(the lookahead head always decides one step ahead; the preloop gate "
+                                          "decides before the loop)")
+        if self.max_model_len is not None and self.max_model_len > cfg.max_position:
+            raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
+                                              f"of {cfg.max_position} tokens")
+        if self.cuda_graphs and torch.device(device).type != "cuda":
+            raise ParamError("cuda_graphs", f"cuda_graphs=True needs a CUDA device, not {device}")
+        if self.speculative_tokens:
+            if not full and pol.criterion in OUTPUT_CRITERIA:
+                raise ParamError("speculative_tokens", f"speculative_tokens is not exact with the {pol.criterion} "
+                                                       "criterion: its per-step score runs the coda, which reads "
+                                                       "earlier positions' final coda K/V that a depth-major "
+                                                       "verification has not computed yet")
+            if draft >= cfg.r_max:
+                raise ParamError("draft_depth", f"draft_depth {draft} must be below the model's r_max {cfg.r_max} "
+                                                "(a draft at full depth is the verifier itself)")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -141,27 +171,9 @@ class EngineConfig:
         # ExitPolicy is then built from these fields (exit_policy)
         pol = ExitPolicy.from_config(cfg, criterion=self.exit_criterion, threshold=self.exit_threshold,
                                      r_min=self.r_min, lookahead=lookahead)
-        if self.lookahead is not None and pol.criterion in ("lookahead_gate", "preloop") and \
-                self.lookahead != (pol.criterion == "lookahead_gate"):
-            raise ParamError("lookahead", f"lookahead={self.lookahead} contradicts the {pol.criterion} criterion "
-                                          "(the lookahead head always decides one step ahead; the preloop gate "
-                                          "decides before the loop)")
-        if self.max_model_len is not None and self.max_model_len > cfg.max_position:
-            raise ParamError("max_model_len", f"max_model_len {self.max_model_len} exceeds the checkpoint's context "
-                                              f"of {cfg.max_position} tokens")
-        if self.cuda_graphs and not on_cuda:
-            raise ParamError("cuda_graphs", f"cuda_graphs=True needs a CUDA device, not {device}")
         full = self.full_depth or self.policy == "cb" or layout_class(layout).disables_exits
         draft = self.draft_depth or max(1, min(pol.r_min, cfg.r_max - 1))
-        if self.speculative_tokens:
-            if not full and pol.criterion in OUTPUT_CRITERIA:
-                raise ParamError("speculative_tokens", f"speculative_tokens is not exact with the {pol.criterion} "
-                                                       "criterion: its per-step score runs the coda, which reads "
-                                                       "earlier positions' final coda K/V that a depth-major "
-                                                       "verification has not computed yet")
-            if draft >= cfg.r_max:
-                raise ParamError("draft_depth", f"draft_depth {draft} must be below the model's r_max {cfg.r_max} "
-                                                "(a draft at full depth is the verifier itself)")
+        self.refuse(cfg, device, pol, full, draft)
         no_pool = self.kv_cache_tokens is None and self.kv_cache_bytes is None
         return dataclasses.replace(
             self, kv_layout=layout, draft_depth=draft, exit_criterion=pol.criterion, exit_threshold=pol.threshold, r_min=pol.r_min,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,9 @@ from .sequence import Sequence, Stage
 
 
 STAGE_NAMES = {s: s.value for s in Stage}  # (Enum.value is a descriptor call: this runs once per stage)
-EMITS = frozenset(s for s in Stage if s.emits)
+# the stages whose output goes through the output processor: those that end with logits, and a
+# speculative stage (its verified rows, OutputProcessor._accept)
+EMITS = frozenset(s for s in Stage if s.emits) | {Stage.SPEC}
 
 
 @dataclass
@@ -88,6 +91,8 @@ class LLMEngine:
         self.eos_ids = {t for t in [cfg.eos_token_id, *cfg.stop_token_ids,
                                     getattr(tokenizer, "eos_token_id", None)] if t is not None}
         self.trace: list[dict] = []
+        # instruments around each launch (LLMEngine._launch): f(work, None) before, f(work, seconds) after
+        self.on_launch: list[Callable[[Work, float | None], None]] = []
         # score_reads: stages whose exit scores the host read back (core steps; the prelude under the
         # preloop criterion, which reads each depth once and no core step's scores)
         self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}, "score_reads": {"core": 0, "prelude": 0},
@@ -162,42 +167,27 @@ class LLMEngine:
         self._swap(self.scheduler.take_swaps())
         if work is None:
             return []
-        if work.stage is Stage.SPEC:
-            return self._speculative(work)
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
-        out = self.runner.run(work)
-        if work.stage in EMITS:
-            self.scheduler.postprocess(work, finished=self.processor.process(work, out))
-        else:
+        out = self._launch(work) if self.on_launch else self.runner.run(work)
+        if work.stage not in EMITS:  # a core step's exit scores (preloop: the prelude's CDFs)
             self.scheduler.postprocess(work, scores=out)
-            if out is not None:
-                self.stats["score_reads"][STAGE_NAMES[work.stage]] += 1
-        if record is not None:
-            record["score_reads"] = int(out is not None and work.stage not in EMITS)
-        self._count(work, record)
-        if work.stage not in EMITS:
+            self._count(work, out, record)
             return []
+        self.scheduler.postprocess(work, finished=self.processor.process(work, out))
+        self._count(work, out, record)
         return work.seqs + work.finals if work.finals else work.seqs
 
-    def _speculative(self, work: Work) -> list[Sequence]:
-        """A speculative stage (speculative.py): draft + verify in the runner, then each sequence's
-        verified tokens through the output processor up to its first rejected draft."""
+    def _launch(self, work: Work):
+        """`runner.run` with the instruments of `on_launch` around it: each is called with
+        (work, None) before the launch and (work, host seconds of runner.run) after it."""
+        for f in self.on_launch:
+            f(work, None)
+        t0 = time.perf_counter()
         out = self.runner.run(work)
-        finished, counts = self.processor.accept_speculative(work.seqs, out)
-        self.scheduler.postprocess(work, finished=finished)
-        sp = self.stats["speculative"]
-        for name, n in counts.items():
-            sp[name] += n
-        for phase, n in out.launches.items():
-            sp[phase + "_launches"] += n
-        sp["stages"] += 1
-        reads = sum(r["score_reads"] for r in out.rows)
-        self.stats["score_reads"]["core"] += reads
-        calls = self.stats["stage_calls"]
-        calls["spec"] = calls.get("spec", 0) + 1
-        if self.config.trace:  # one row per launch it ran, counted by infer/bench/work.py as any other
-            self.trace += out.rows
-        return work.seqs
+        dt = time.perf_counter() - t0
+        for f in self.on_launch:
+            f(work, dt)
+        return out
 
     def speculative_metrics(self, since: dict | None = None) -> dict:
         """Self-speculation counters (EngineConfig.speculative_tokens): speculative stages, chunks of
@@ -215,14 +205,22 @@ class LLMEngine:
             if swap is not None:
                 swap(ops)
 
-    def _count(self, work: Work, record: dict | None) -> None:
-        """Stage counters, and the trace row of a traced stage (`record`, from `_record`)."""
+    def _count(self, work: Work, out, record: dict | None) -> None:
+        """Stage counters (a speculative stage's own: OutputProcessor._accept), and the trace row of
+        a traced stage (`record`, from `_record`; a speculative stage brings one row per launch)."""
         calls = self.stats["stage_calls"]
         name = STAGE_NAMES[work.stage]
         calls[name] = calls.get(name, 0) + 1
+        reads = out is not None and work.stage not in EMITS
+        if reads:
+            self.stats["score_reads"][name] += 1
         if record is not None:
+            if work.stage is Stage.SPEC:  # one row per launch it ran, counted by work.py as any other
+                self.trace += out.rows
+                return
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize()
+            record["score_reads"] = int(reads)
             record["seconds"] = time.perf_counter() - record.pop("t0")
             self.trace.append(record)
 

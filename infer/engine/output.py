@@ -73,29 +73,47 @@ class OutputProcessor:
         if s.extras:
             self.extras.add(s.seq_id)
 
-    def process(self, work: Work, out: Emitted) -> dict[int, str]:
+    def process(self, work: Work, out: Emitted | SpecOut) -> dict[int, str]:
         """Sample the next token of each row of a stage that emits and apply it to its sequence;
-        returns the finish reason of each sequence (by seq_id) that stops."""
+        returns the finish reason of each sequence (by seq_id) that stops. A speculative stage's
+        rows are each sequence's verified positions, taken up to its first rejected draft."""
+        if work.stage is Stage.SPEC:
+            return self._accept(work.seqs, out)
         seqs = work.seqs + work.finals if work.finals else work.seqs  # finals: prompt chunks' first tokens
         logits, prompt = out
         chosen = self.sampler(logits, seqs, bool(self.sampling))  # one batched call, one device-to-host copy
         now = time.perf_counter()
         n = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # decode rows; the rest: first tokens
-        fused, r_full, text = work.r_max if work.stage is Stage.FUSED else 0, self.r_full, self.tokenizer is not None
+        # the exit depths: a decode item's loop steps (fused: the iteration's); a prompt's first token
+        # is at full depth (a prefill's prompt has no loop steps, a final chunk has r_full)
+        fused = work.r_max if work.stage is Stage.FUSED else 0
+        if fused:
+            depths = [fused] * n
+            self.stats["depth_sum"] += fused * n
+        else:
+            depths = list(map(_step, work.seqs)) if n else []  # (in C, not in a Python loop)
+            self.stats["depth_sum"] += sum(depths)
         if n < len(seqs):  # prompts' first tokens
+            r_full = self.r_full
             for s in seqs[n:]:
                 s.first_token_time = now
                 if prompt is not None and s.seq_id in prompt:
                     prompt_logprobs(s, prompt[s.seq_id])
+                depths.append(fused or s.step or r_full)
+        self.stats["tokens"] += n  # the prompts' full-depth tokens stay out of the mean exit depth
+        return self._apply(seqs, chosen, depths, logits, now)
+
+    def _apply(self, seqs: list[Sequence], chosen: list[int], depths: list[int], logits: torch.Tensor,
+               now: float) -> dict[int, str]:
+        """Each row's token (`chosen`, at exit depth `depths`) to its sequence, and the stop rules."""
         if self.extras:  # a running request wants forced tokens or log-probs: those rows first
             self._extras(seqs, chosen, logits)
         finished: dict[int, str] = {}
-        for s, tok in zip(seqs, chosen):
+        text = self.tokenizer is not None
+        for s, tok, d in zip(seqs, chosen, depths):
             out_ids = s.output_ids
             out_ids.append(tok)
-            # the exit depth: a decode item's loop steps (fused: the iteration's); a prompt's first
-            # token is at full depth (a prefill's prompt has no loop steps, a final chunk has r_full)
-            s.exit_depths.append(fused or s.step or r_full)
+            s.exit_depths.append(d)
             s.token_times.append(now)
             # the stop rules
             if tok in s.stop_ids:
@@ -111,45 +129,52 @@ class OutputProcessor:
             if reason is not None:
                 finished[s.seq_id] = reason
                 self.finish(s, now)
-        self.stats["tokens"] += n  # the prompts' full-depth tokens stay out of the mean exit depth
-        if n:  # (summed in C, not in the loop above)
-            self.stats["depth_sum"] += fused * n if fused else sum(map(_step, work.seqs))
         return finished
 
-    def accept_speculative(self, seqs: list[Sequence], out: SpecOut) -> tuple[dict[int, str], dict]:
+    def _accept(self, seqs: list[Sequence], out: SpecOut) -> dict[int, str]:
         """A speculative stage's outcome (speculative.py): each sequence's verified tokens in order,
-        through `process` (sampling, stop rules, log-probs as for any coda row), stopping a sequence
-        at its first rejected draft: position i+1's row counts only if its drafted input equals the
-        token just emitted from position i. Returns the finish reasons (by seq_id) and the counts of
-        this stage: drafted and accepted tokens, drafts rejected (the chunks that ended at one),
-        emitted tokens, verified chunks (chunks of more than one position) and the tokens they gave."""
+        chunk position by chunk position, as coda rows (sampling, stop rules, log-probs), stopping
+        a sequence at its first rejected draft: position i+1's row counts only if its drafted
+        input equals the token just emitted from position i. Counts the stage into the engine's
+        speculation counters (`stats["speculative"]`: drafted and accepted tokens, drafts rejected
+        (the chunks that ended at one), emitted tokens, verified chunks (of more than one
+        position) and the tokens they gave, its draft and verify launches) and its core launches'
+        score reads."""
         start = [0]
         for k in out.ks:
             start.append(start[-1] + k)
         finished: dict[int, str] = {}
-        counts = {"drafted": sum(k - 1 for k in out.ks), "accepted": 0, "emitted": 0,
-                  "verifications": sum(1 for k in out.ks if k > 1), "verified_tokens": 0, "rejected": 0}
+        sp, stats = self.stats["speculative"], self.stats
+        sp["drafted"] += sum(k - 1 for k in out.ks)
+        sp["verifications"] += sum(1 for k in out.ks if k > 1)
         alive = list(range(len(seqs)))
         for i in range(max(out.ks)):
             if not alive:
                 break
-            for b in alive:
-                seqs[b].step = out.depths[b][i]  # `process` reads a decode row's exit depth here
             rows = out.logits[[start[b] + i for b in alive]]
-            finished.update(self.process(Work(Stage.CODA, [seqs[b] for b in alive]), (rows, None)))
-            counts["emitted"] += len(alive)
-            counts["verified_tokens"] += sum(1 for b in alive if out.ks[b] > 1)
+            its = [seqs[b] for b in alive]
+            depths = [out.depths[b][i] for b in alive]
+            chosen = self.sampler(rows, its, bool(self.sampling))
+            finished.update(self._apply(its, chosen, depths, rows, time.perf_counter()))
+            stats["tokens"] += len(its)
+            stats["depth_sum"] += sum(depths)
+            sp["emitted"] += len(alive)
+            sp["verified_tokens"] += sum(1 for b in alive if out.ks[b] > 1)
             nxt = []
             for b in alive:
                 s = seqs[b]
                 if i + 1 < out.ks[b] and s.seq_id not in finished:
                     if s.output_ids[-1] == out.drafts[b][i]:
-                        counts["accepted"] += 1
+                        sp["accepted"] += 1
                         nxt.append(b)
                     else:
-                        counts["rejected"] += 1  # the chunk ends at this draft
+                        sp["rejected"] += 1  # the chunk ends at this draft
             alive = nxt
-        return finished, counts
+        for phase, n in out.launches.items():
+            sp[phase + "_launches"] += n
+        sp["stages"] += 1
+        stats["score_reads"]["core"] += sum(r["score_reads"] for r in out.rows)
+        return finished
 
     def _extras(self, seqs: list[Sequence], chosen: list[int], logits: torch.Tensor) -> None:
         """Teacher forcing (the row's token becomes the forced one) and log-probs of the rows whose

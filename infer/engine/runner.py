@@ -41,15 +41,29 @@ SpecOut = speculative.SpecOut
 
 @runtime_checkable
 class Runner(Protocol):
-    """What the engine calls on a runner: one stage per `run`. Returns the `Emitted` logits of a
-    stage that emits tokens (prefill, coda, fused), the exit `Scores` of a core step, None for a
-    prelude, a `SpecOut` for a speculative stage (only with EngineConfig.speculative_tokens).
-    Under the preloop criterion the prelude returns each item's exit-depth CDF (`Scores`
-    of rows) and a core step None: no score is read during the loop."""
+    """Everything the engine, the server and the instruments call on a runner; ModelRunner, the
+    simulator's SimRunner and the emulated device's EmulatedRunner (infer/sim) implement all of it
+    (tests/test_runner_protocol.py checks each member and its signature).
+
+    `run`: one stage. Returns the `Emitted` logits of a stage that emits tokens (prefill, coda,
+    fused), the exit `Scores` of a core step, None for a prelude, a `SpecOut` for a speculative
+    stage (only with EngineConfig.speculative_tokens). Under the preloop criterion the prelude
+    returns each item's exit-depth CDF (`Scores` of rows) and a core step None: no score is read
+    during the loop. `padded`: the batch a decode launch of n items runs at. `swap`: the
+    scheduler's preemption copies, before the next stage."""
+
+    # decode attention traffic counters (a dict: counting; None: off; only ModelRunner counts)
+    attention_stats: dict | None
+    # the device a virtual runner stands for (what the server's /v1/models shows); None: a real one
+    device_info: dict | None
+    # seconds on the virtual clock (the simulator's and emulated device's); None: wall time is real
+    clock: float | None
 
     def run(self, work: Work) -> Emitted | Scores | SpecOut | None: ...
 
     def padded(self, n: int) -> int: ...
+
+    def swap(self, ops: list[SwapOp]) -> None: ...
 
 
 class Emitted(NamedTuple):
@@ -112,6 +126,9 @@ class ModelRunner:
                         Stage.FUSED: self._fused_body}
         self._stages = {Stage.PREFILL: self._prefill, Stage.PRELUDE: self._prelude, Stage.CORE: self._core,
                         Stage.CODA: self._coda, Stage.FUSED: self._fused, Stage.SPEC: self._spec}
+
+    device_info = None  # a real device (Runner.device_info)
+    clock = None  # wall time is real (Runner.clock)
 
     def padded(self, n: int) -> int:
         return min(next_pow2(n), max(self._pad_cap, n)) if self.pad_pow2 else n

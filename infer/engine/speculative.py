@@ -41,7 +41,8 @@ from looplm.model import LoopedLM
 from looplm.policy import ExitTracker
 
 from . import stages
-from .sequence import Sequence
+from .sequence import Sequence, Stage
+from .spec_plan import SpecPlan, spec_row
 from .stages import TokenBatch
 
 if TYPE_CHECKING:
@@ -65,43 +66,27 @@ class SpecOut(NamedTuple):
 def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str, seqs: list[Sequence],
               ks: list[int], draft_depth: int) -> SpecOut:
     """Draft and verify chunks of `ks[b]` positions after each sequence's last token (a chunk of 1
-    is a plain decode of that token). Each sequence's block table covers every chunk position."""
+    is a plain decode of that token), launch by launch as the plan (spec_plan.py) says. Each
+    sequence's block table covers every chunk position."""
     cfg, dev = model.cfg, model.device
     rule = score_rule(criterion, cfg)
+    plan = SpecPlan(ks, draft_depth, [s.num_tokens - 1 for s in seqs])
+    owner, index, pos, M = plan.owner, plan.index, plan.pos, len(plan)
     B = block_size
-    owner, pos, first = [], [], []
     seq_rows = []  # per sequence: the KV rows of positions 0..p0+k-1
-    for b, (s, k) in enumerate(zip(seqs, ks)):
-        p0 = s.num_tokens - 1
-        first.append(len(pos))
-        owner += [b] * k
-        pos += range(p0, p0 + k)
+    for s, k in zip(seqs, ks):
         tbl = torch.tensor(s.blocks, dtype=torch.long)
-        seq_rows.append((tbl[:, None] * B + torch.arange(B)).view(-1)[:p0 + k])
-    M = len(pos)
+        seq_rows.append((tbl[:, None] * B + torch.arange(B)).view(-1)[:s.num_tokens - 1 + k])
     rows = torch.stack([seq_rows[b][p] for b, p in zip(owner, pos)])
     state = torch.zeros(M, cfg.hidden_size, dtype=model.dtype, device=dev)
     inj = torch.zeros_like(state) if cfg.arch == "huginn" else None
     aux = initial_aux(rule, M, cfg.vocab_size, dev)
     trackers = [ExitTracker(seqs[b].policy) for b in owner]
-    steps = [0] * M
-    done = [False] * M
     drafts: list[list[int]] = [[] for _ in seqs]
     launches = {"draft": 0, "verify": 0}
     trace: list[dict] = []
-    t0 = [time.perf_counter()]
-
-    def launched(stage: str, idx: list[int], phase: str) -> None:
-        """Count a launch over the items `idx` and add its trace row (seconds since the last one:
-        a core step's score read waits for the device, so on CUDA these are close to device time)."""
-        now = time.perf_counter()
-        launches[phase] += 1
-        n = len(idx)
-        trace.append({"stage": stage, "batch": n, "padded": n, "tokens": n, "context": sum(pos[i] + 1 for i in idx),
-                      "prompt_tokens": 0, "chunks": 0, "context_pairs": 0, "prompt_pairs": 0, "finals": 0,
-                      "r_max": cfg.r_max, "phase": phase, "seconds": now - t0[0],
-                      "score_reads": int(stage == "core" and criterion != "preloop")})
-        t0[0] = now
+    t0 = time.perf_counter()
+    logits = None
 
     def batch(idx: list[int], ids: list[int] | None = None, step: int = 1) -> TokenBatch:
         L = max(pos[i] for i in idx) + 1
@@ -113,62 +98,45 @@ def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str
                           rows=t(rows[idx]), steps=torch.full((len(idx),), step, dtype=torch.long, device=dev),
                           ctx_rows=ctx.to(dev), ctx_len=t([pos[i] + 1 for i in idx]))
 
-    def core(idx: list[int], step: int, phase: str) -> None:
-        """One loop step for the items `idx` (all at `step`); exits are filled at once."""
+    for launch in plan:
+        idx, stage = launch.items, launch.stage
         ix = torch.tensor(idx, dtype=torch.long, device=dev)
-        new, scores, a = stages.core_step(model, layout, batch(idx, step=step), state[ix],
-                                          inj[ix] if inj is not None else None, criterion,
-                                          aux[ix] if aux is not None else None)
-        state[ix] = new
-        if a is not None:
-            aux[ix] = a
-        # preloop: every depth was fixed at the prelude, no score is read back during the loop
-        scores = scores.tolist() if criterion != "preloop" else [0.0] * len(idx)
-        launched("core", idx, phase)
-        out = []
-        for i, x in zip(idx, scores):
-            steps[i] = step
-            if trackers[i].after_step(step, x):
-                done[i] = True
-                out.append(i)
-        if out:
-            layout.on_exit(rows[out].to(dev), torch.tensor([steps[i] for i in out], dtype=torch.long, device=dev))
-
-    kmax = max(ks)
-    for j in range(kmax):  # draft round j: chunk position j of every sequence whose chunk has one
-        idx = [first[b] + j for b in range(len(seqs)) if j < ks[b]]
-        ids = [seqs[b].output_ids[-1] if j == 0 else drafts[b][j - 1] for b in range(len(seqs)) if j < ks[b]]
-        ix = torch.tensor(idx, dtype=torch.long, device=dev)
-        st, ij = stages.prelude(model, layout, batch(idx, ids))
-        state[ix] = st
-        if inj is not None:
-            inj[ix] = ij
-        cdfs = preloop_cdf(model, st, ij).tolist() if criterion == "preloop" else None
-        launched("prelude", idx, "draft")
-        if cdfs is not None:
-            for i, cdf in zip(idx, cdfs):
-                trackers[i].at_prelude(cdf)
-        for s in range(1, draft_depth + 1):
-            live = [i for i in idx if not done[i]]
-            if not live:
-                break
-            core(live, s, "draft")
-        guess = [i for i in idx if j < ks[owner[i]] - 1]  # positions whose next position has an input to guess
-        if guess:
-            g = torch.tensor(guess, dtype=torch.long, device=dev)
-            toks = stages.coda(model, layout, batch(guess), state[g]).argmax(-1).tolist()
-            launched("coda", guess, "draft")
-            for i, tok in zip(guess, toks):
+        exits = None
+        if stage is Stage.PRELUDE:  # a draft round's inputs: the last token, then the drafts before
+            ids = [seqs[owner[i]].output_ids[-1] if index[i] == 0 else drafts[owner[i]][index[i] - 1] for i in idx]
+            st, ij = stages.prelude(model, layout, batch(idx, ids))
+            state[ix] = st
+            if inj is not None:
+                inj[ix] = ij
+            if criterion == "preloop":  # every depth is fixed here, no score is read during the loop
+                for i, cdf in zip(idx, preloop_cdf(model, st, ij).tolist()):
+                    trackers[i].at_prelude(cdf)
+        elif stage is Stage.CORE:  # one loop step for the items (all at launch.step); exits are filled at once
+            new, scores, a = stages.core_step(model, layout, batch(idx, step=launch.step), state[ix],
+                                              inj[ix] if inj is not None else None, criterion,
+                                              aux[ix] if aux is not None else None)
+            state[ix] = new
+            if a is not None:
+                aux[ix] = a
+            scores = scores.tolist() if criterion != "preloop" else [0.0] * len(idx)
+            exits = [i for i, x in zip(idx, scores) if trackers[i].after_step(launch.step, x)]
+        elif launch.phase == "draft":  # the coda on the capped state: its argmax is the next input
+            toks = stages.coda(model, layout, batch(idx), state[ix]).argmax(-1).tolist()
+            for i, tok in zip(idx, toks):
                 drafts[owner[i]].append(tok)
-    while True:  # verify: the live positions, depth-major, each to its own exit
-        live = [i for i in range(M) if not done[i]]
-        if not live:
-            break
-        core(live, steps[live[0]] + 1, "verify")  # every live position is at the same step
-    everything = list(range(M))
-    logits = stages.coda(model, layout, batch(everything), state)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    launched("coda", everything, "verify")
-    depths = [[steps[first[b] + j] for j in range(k)] for b, k in enumerate(ks)]
-    return SpecOut(logits, list(ks), drafts, depths, launches, trace)
+        else:  # every chunk position at its final state
+            logits = stages.coda(model, layout, batch(idx), state)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        # the launch's trace row (seconds since the last one: a core step's score read waits for
+        # the device, so on CUDA these are close to device time)
+        now = time.perf_counter()
+        launches[launch.phase] += 1
+        trace.append(spec_row(launch, plan.context(idx), cfg.r_max, now - t0,
+                              int(stage is Stage.CORE and criterion != "preloop")))
+        t0 = now
+        if exits:
+            plan.exited(exits)
+            layout.on_exit(rows[exits].to(dev), torch.tensor([launch.step] * len(exits), dtype=torch.long,
+                                                             device=dev))
+    return SpecOut(logits, list(ks), drafts, plan.depths(), launches, trace)

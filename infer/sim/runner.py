@@ -14,6 +14,7 @@ from infer.engine.memory import state_slot_bytes
 from infer.engine.runner import Emitted, next_pow2
 from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
+from infer.engine.spec_plan import SpecPlan, spec_row
 from infer.engine.speculative import SpecOut
 from kv_layouts import layout_class
 from looplm.config import LoopConfig
@@ -69,6 +70,9 @@ class SimRunner:
     `run` charges the cost model's time for the stage and batch, each `swap` the bytes a
     preemption moves (KV blocks + the state slot, each way) at `pcie_bandwidth` bytes/s. Swaps are
     charged in series with the stages: ModelRunner queues its copies on the compute stream."""
+
+    attention_stats = None  # (Runner.attention_stats: only ModelRunner counts KV rows read)
+    device_info = None  # (Runner.device_info: the emulated device names the GPU it stands for)
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
                  cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, acceptance: float = 1.0,
@@ -155,53 +159,40 @@ class SimRunner:
         return torch.tensor([[0.0, 1.0]]).expand(n, 2)
 
     def _spec(self, work: Work) -> SpecOut:
-        """A speculative stage (infer/engine/speculative.py) on the clock: the launches it runs, each
-        priced as a decode launch of its items (unpadded, the eager path's SDPA gather to the
-        longest context), and the outcome: every chunk position exits at its recorded depth, and
-        a draft whose predecessors were accepted is accepted with probability `acceptance`
-        (LLMEngine.speculative_metrics' draft_accept_prob), independently of its depth (in the
-        engine the draft of a position that exits within the draft depth is always right; the
-        rate here is an overall one, as measured on a checkpoint)."""
-        bs, fill, dd = self.blocks.block_size, self.fill_slots, work.draft_depth
-        items = []  # (seq index, chunk index, context length, exit depth)
-        for b, (s, k) in enumerate(zip(work.seqs, work.spec)):
-            p = s.policy
-            for j in range(k):
-                d = max(p.r_min, min(p.r_max, self.depths_at(s, len(s.output_ids) + j)))
-                items.append((b, j, s.num_tokens + j, d))
+        """A speculative stage on the clock: the launches of the plan the model runner runs
+        (infer/engine/spec_plan.py), each priced as a decode launch of its items (unpadded, the
+        eager path's SDPA gather to the longest context), and the outcome: every chunk position
+        exits at its recorded depth, and a draft whose predecessors were accepted is accepted with
+        probability `acceptance` (LLMEngine.speculative_metrics' draft_accept_prob), independently
+        of its depth (in the engine the draft of a position that exits within the draft depth is
+        always right; the rate here is an overall one, as measured on a checkpoint)."""
+        bs, seqs = self.blocks.block_size, work.seqs
+        plan = SpecPlan(work.spec, work.draft_depth, [s.num_tokens - 1 for s in seqs])
+        exit_at = []  # each chunk position's recorded depth, clamped to its policy's range
+        for b, j in zip(plan.owner, plan.index):
+            p = seqs[b].policy
+            exit_at.append(max(p.r_min, min(p.r_max, self.depths_at(seqs[b], len(seqs[b].output_ids) + j))))
         rows: list[dict] = []
-
-        def launch(stage: Stage, its: list, phase: str, filled: int = 0) -> None:
-            if not its:
-                return
-            ctx = [c for _, _, c, _ in its]
-            n = len(its)
-            c = Call(stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
-                     rows_paged=sum(-(-x // bs) * bs for x in ctx))
-            t = self.cost(c)
+        launches = {"draft": 0, "verify": 0}
+        for launch in plan:
+            idx = launch.items
+            ctx = [plan.pos[i] + 1 for i in idx]
+            last = launch.stage is Stage.CODA and launch.phase == "verify"
+            filled = sum(self.fill_slots(self.cfg, exit_at[i]) for i in idx) if last else 0
+            n = len(idx)
+            t = self.cost(Call(launch.stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
+                               rows_paged=sum(-(-x // bs) * bs for x in ctx)))
             self.clock += t
-            rows.append({"stage": stage.value, "batch": n, "padded": n, "tokens": n, "context": c.context,
-                         "seconds": t, "prompt_tokens": 0, "context_pairs": 0, "prompt_pairs": 0, "finals": 0,
-                         "r_max": self.cfg.r_max, "phase": phase, "score_reads": int(stage is Stage.CORE)})
-
-        for j in range(max(work.spec)):  # draft rounds: prelude, core steps up to the draft depth, coda
-            rnd = [it for it in items if it[1] == j]
-            launch(Stage.PRELUDE, rnd, "draft")
-            for st in range(1, dd + 1):
-                launch(Stage.CORE, [it for it in rnd if it[3] >= st], "draft")
-            launch(Stage.CODA, [it for it in rnd if j < work.spec[it[0]] - 1], "draft")
-        for st in range(dd + 1, max(it[3] for it in items) + 1):  # verify: each live position to its exit
-            launch(Stage.CORE, [it for it in items if it[3] >= st], "verify")
-        launch(Stage.CODA, items, "verify", filled=sum(fill(self.cfg, d) for *_, d in items))
-        for r in rows:
-            self.trace.append(r)
-        self._stamp(work.seqs)
+            launches[launch.phase] += 1
+            rows.append(spec_row(launch, sum(ctx), self.cfg.r_max, t, int(launch.stage is Stage.CORE)))
+            if launch.stage is Stage.CORE:
+                plan.exited([i for i in idx if exit_at[i] == launch.step])
+        self.trace += rows
+        self._stamp(seqs)
         drafts, tok = [], self.spec_token
         for k in work.spec:  # a rejected draft is any other id: acceptance stops there (later draws unused)
             drafts.append([tok if self._accept_rng.random() < self.acceptance else tok + 1 for _ in range(k - 1)])
-        depths = [[d for b2, _, _, d in items if b2 == b] for b in range(len(work.seqs))]
-        launches = {ph: sum(r["phase"] == ph for r in rows) for ph in ("draft", "verify")}
-        return SpecOut(self._rows(len(items)), list(work.spec), drafts, depths, launches, rows)
+        return SpecOut(self._rows(len(plan)), list(work.spec), drafts, plan.depths(), launches, rows)
 
     def depths_at(self, s: Sequence, i: int) -> int:
         """The recorded exit depth of the sequence's output token i."""
