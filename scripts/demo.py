@@ -38,7 +38,7 @@ PRESETS = {"ouro": "ouro-tiny", "huginn": "huginn-tiny"}
 PRESET_THRESHOLDS = {"ouro-tiny": None, "huginn-tiny": 0.5}
 # The serving policy for a demo checkpoint whose default criterion is not the one to serve with.
 # huginn-demo's default is Huginn's kl. kl needs the coda and the LM head after every core step, and on
-# this 2M-parameter model that makes CDB slower than CB (docs/results.md). Its learned gate at q = 0.9
+# this 2M-parameter model that makes CDB slower than CB (docs/results/engine.md). Its learned gate at q = 0.9
 # reads the state directly and is what to serve.
 CHECKPOINT_POLICY = {"huginn": dict(exit_criterion="learned", exit_threshold=0.9)}
 # Part 1: Ouro's structure at a size whose core step costs milliseconds on one CPU thread (looplm/presets.py)

@@ -21,7 +21,7 @@ prefill: the loop state after every step and the prelude's output.
   in the teacher's rule as above (ouro_gate: these probabilities read as hazards, their CDF). On
   ouro-demo the teacher objective plateaus a little worse in bits/byte than the stock gate read
   late at matched depth: imitating the teacher at s+1 copies its same-step decisions, which lose
-  there (docs/results.md, issue 25).
+  there (docs/results/lab-and-gates.md, issue 25).
 - preloop gate (Linear(d -> R) on the prelude output; Ouro: the token embedding): softmax = the
   exit-depth pdf before the loop. Loss = KL(teacher pdf || student) + CDF MAE. Served by the
   `preloop` criterion: depth = the first d whose CDF >= q, clamped to [r_min, r_max].

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
-from infer.engine.llm import LOAD_FORMATS, load_model
+from infer.engine.llm import add_load_args, load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
 from infer.sim import bounds as B
@@ -351,13 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="emulated device: what decode attention reads (infer.sim's --attention)")
     p.add_argument("--emulated-slowdown", type=float, default=None, metavar="S",
                    help="emulated device: its wall clock runs S times slower than the GPU's (default 1)")
-    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                   help="dummy: the folder's config.json (or a paper preset) with random weights (real shapes, no "
-                        "weights file)")
-    p.add_argument("--layer-split", default=None, metavar="P-C-Q",
-                   help="Huginn only: keep the first P prelude, C core and Q coda layers (e.g. 0-4-0, 1-4-1 of "
-                        "Huginn-3.5B's 2-4-2; the paper's layer-split ablation): the text is meaningless, the cost "
-                        "structure is what changes")
+    add_load_args(p)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench"))
     p.add_argument("--save-trace", action="store_true", help="also write every run's step trace (for python -m infer.sim.latency fit)")

@@ -54,7 +54,7 @@ from .offline import make_engine, run_engine
 
 CHECKPOINTS = ("checkpoints/ouro-demo", "checkpoints/huginn-demo", "checkpoints/lab-hops")
 HELDOUT_TEXT = Path(__file__).resolve().parents[2] / ".cache" / "corpus" / "heldout.txt"
-# the lab's held-out split: python -m train.tasks.hops --seed 7 --n 400 (docs/results.md "The lab";
+# the lab's held-out split: python -m train.tasks.hops --seed 7 --n 400 (docs/results/lab-and-gates.md "The lab";
 # training never draws seed 7); read as a file, since infer.bench does not import train
 LAB_HELDOUT = Path(__file__).resolve().parents[2] / "eval" / "tasks" / "data" / "lab_hops.jsonl"
 SPEC_LAYOUT = "last_exited"  # where the checkpoint's layout shares depth slots (speculation refuses it)
@@ -261,30 +261,40 @@ def each(results: dict[str, dict], part: str):
     return ((name, b) for name, res in results.items() for b in res[part])
 
 
+def _table(head: list[str], rows) -> list[str]:
+    """A markdown table: the header `head`, its rule, one line per row of cells."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def tables(results: dict[str, dict]) -> list[str]:
-    """The markdown tables of docs/results.md: acceptance per checkpoint x setting, then batch-1 latency."""
-    L = ["| checkpoint | draft depth | k | acceptance rate | P(draft accepted) | tokens / verification | "
-         "verifications | exact |", "|---|---|---|---|---|---|---|---|"]
-    for name, b in each(results, "acceptance"):
+    """The markdown tables of docs/results/speculation.md: acceptance per checkpoint x setting, the
+    reference's depths per checkpoint, then batch-1 latency."""
+    def acceptance(name, b):
         sp = b["speculative"]
-        L.append(f"| {name} | {b['draft_depth']} | {b['k']} | {sp['acceptance_rate']:.3f} | "
-                 f"{sp['draft_accept_prob']:.3f} | {sp['tokens_per_verification']:.2f} | {sp['verifications']} | "
-                 f"{'yes' if b['exact'] else 'NO'} |")
-    L += ["", "| checkpoint | prompts | settings changed | mean exit depth | tokens final at draft depth 1 / 2 | "
-          "output 4-grams seen before |", "|---|---|---|---|---|---|"]
-    for name, res in results.items():
+        return [name, str(b["draft_depth"]), str(b["k"]), f"{sp['acceptance_rate']:.3f}",
+                f"{sp['draft_accept_prob']:.3f}", f"{sp['tokens_per_verification']:.2f}", str(sp["verifications"]),
+                "yes" if b["exact"] else "NO"]
+
+    def reference(name, res):
         ref = res["reference"]
-        fin = " / ".join(f"{v:.2f}" for v in ref["final_at_draft_depth"].values())
-        L.append(f"| {name} | {res['num_prompts']} x {res['prompts']} | {res['overrides'] or 'none'} | "
-                 f"{ref['mean_exit_depth']:.2f} | {fin} | {ref['repeated_4gram_share']:.2f} |")
-    L += ["", "| checkpoint | k | draft depth | ms/token off | ms/token on | off / on (95% CI) | launches off -> on | "
-          "weight bytes on / off | FLOPs on / off |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, b in each(results, "latency"):
+        return [name, f"{res['num_prompts']} x {res['prompts']}", str(res["overrides"] or "none"),
+                f"{ref['mean_exit_depth']:.2f}", " / ".join(f"{v:.2f}" for v in ref["final_at_draft_depth"].values()),
+                f"{ref['repeated_4gram_share']:.2f}"]
+
+    def latency(name, b):
         r = b["ratio_off_over_on"]
-        L.append(f"| {name} | {b['k']} | {b['draft_depth']} | {b['ms_per_token_off']:.2f} | {b['ms_per_token_on']:.2f} | "
-                 f"{r['median']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] | {b['launches_off']} -> {b['launches_on']} | "
-                 f"{b['weight_bytes_ratio']:.3f} | {b['flops_ratio']:.3f} |")
-    return L
+        return [name, str(b["k"]), str(b["draft_depth"]), f"{b['ms_per_token_off']:.2f}", f"{b['ms_per_token_on']:.2f}",
+                f"{r['median']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]", f"{b['launches_off']} -> {b['launches_on']}",
+                f"{b['weight_bytes_ratio']:.3f}", f"{b['flops_ratio']:.3f}"]
+
+    return [*_table(["checkpoint", "draft depth", "k", "acceptance rate", "P(draft accepted)", "tokens / verification",
+                     "verifications", "exact"], (acceptance(*x) for x in each(results, "acceptance"))), "",
+            *_table(["checkpoint", "prompts", "settings changed", "mean exit depth",
+                     "tokens final at draft depth 1 / 2", "output 4-grams seen before"],
+                    (reference(*x) for x in results.items())), "",
+            *_table(["checkpoint", "k", "draft depth", "ms/token off", "ms/token on", "off / on (95% CI)",
+                     "launches off -> on", "weight bytes on / off", "FLOPs on / off"],
+                    (latency(*x) for x in each(results, "latency")))]
 
 
 def pick_latency_settings(blocks: list[dict], depth: float, arg: list[str] | None) -> list[tuple[int, int]]:

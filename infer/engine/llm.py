@@ -22,6 +22,19 @@ from .sampling import SamplingParams
 LOAD_FORMATS = ("auto", "dummy")
 
 
+def add_load_args(parser, group=None) -> None:
+    """`load_model`'s --load-format and --layer-split on a command line (the bench's, the server's):
+    one help text for both."""
+    g = group or parser
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: the folder's config.json (or a paper preset) with random weights, no weights file "
+                        "read (vLLM's --load-format dummy)")
+    g.add_argument("--layer-split", default=None, metavar="P-C-Q",
+                   help="Huginn only: keep the first P prelude, C core and Q coda layers (e.g. 0-4-0 or 1-4-1 of "
+                        "Huginn-3.5B's 2-4-2, the paper's layer-split ablation): the text is meaningless, the cost "
+                        "structure is what changes")
+
+
 def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_max: int | None = None,
                load_format: str = "auto", layer_split: str | None = None):
     """(model, tokenizer or None) from a checkpoint folder / hub id, a tiny preset name (random

@@ -226,7 +226,7 @@ class LLMEngine:
 
     def _record(self, work: Work) -> dict:
         """A trace row: the stage, its batch, the context tokens it reads, and what
-        infer/bench/work.py counts (causal prefix rows of prompt positions, head rows of final
+        infer/sim/work.py counts (causal prefix rows of prompt positions, head rows of final
         chunks, the loop steps of a fused launch)."""
         n = len(work.seqs)
         if work.stage is Stage.PREFILL:

@@ -15,7 +15,7 @@ exit scores as a pending host copy, which lets the engine prepare the next batch
 device still runs this one (the lookahead pipeline).
 
 `Runner` is what the engine needs from a runner; `ModelRunner` runs the model, the simulator's
-`SimRunner` (infer/bench/sim.py) charges a cost model instead.
+`SimRunner` (infer/sim/runner.py) charges a cost model instead.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class SpecOut(NamedTuple):
     """What a speculative stage returns: the verifier's logits [sum(ks), V] of every chunk position
     (sequence-major), and per sequence the drafted tokens (the inputs of chunk positions 1..k-1)
     and each position's exit depth; the launches it ran (draft / verify counts, and one trace row
-    per launch in the format of LLMEngine._record, `phase` added: infer/bench/work.py counts them)."""
+    per launch in the format of LLMEngine._record, `phase` added: infer/sim/work.py counts them)."""
     logits: torch.Tensor
     ks: list[int]
     drafts: list[list[int]]

@@ -19,7 +19,7 @@ from looplm import PRESETS
 from looplm.errors import ParamError
 
 from infer.engine.config import add_engine_args, engine_config_from_args
-from infer.engine.llm import LOAD_FORMATS, load_model
+from infer.engine.llm import add_load_args, load_model
 from infer.engine.llm_engine import LLMEngine
 
 from .async_engine import AsyncEngine
@@ -37,12 +37,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cpu", help="a torch device, or emulated:h100 (also h200, a100): the engine "
                    "runs on a device that only waits for the simulator's predicted stage times (infer/sim/"
                    "emulated.py); --model is then a paper model, a preset or a config.json folder")
-    m.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                   help="dummy: the folder's config.json (or a paper preset) with random weights, no weights file "
-                        "read (vLLM's --load-format dummy)")
-    m.add_argument("--layer-split", default=None, metavar="P-C-Q",
-                   help="Huginn only: keep the first P prelude, C core and Q coda layers (e.g. 0-4-0; the text is "
-                        "meaningless, for throughput)")
+    add_load_args(p, m)
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.add_argument("--mean-depth", type=float, default=None,
                    help="emulated device: mean exit depth of a binomial spread (default: infer.sim's assumption)")

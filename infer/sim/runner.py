@@ -22,7 +22,7 @@ from looplm.config import LoopConfig
 from .cost import Call
 from .workloads import Request
 
-# Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results.md).
+# Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results/simulator.md).
 ASSUMED_MEAN_DEPTH = {"ouro-1.4b": 2.5, "huginn-3.5b": 9.0}
 # How the simulated runner makes a token exit at its recorded depth: the "learned" criterion reads
 # its exit probability, which SimRunner answers 1 or 0 (`_fires`); lookahead depths start at 2.
