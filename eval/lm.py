@@ -25,10 +25,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.evaluator import simple_evaluate as _lm_eval_simple_evaluate
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
-from tqdm.auto import tqdm
 
 from infer.engine.config import EngineConfig
 from infer.engine.llm import LLM
+from infer.engine.progress import progress
 from infer.engine.sampling import SamplingParams
 from looplm.errors import ParamError
 from looplm.io import load_tokenizer
@@ -188,7 +188,7 @@ class LoopedEvalLM(TemplateLM):
     # ------------------------------------------------------------------ requests
     def _run(self, seqs, disable_tqdm: bool, desc: str) -> None:
         eng = self.llm.engine
-        bar = tqdm(total=len(seqs), desc=desc, disable=disable_tqdm)
+        bar = progress(len(seqs), desc, disable=disable_tqdm)
         done = 0
         with torch.inference_mode():
             while eng.has_unfinished():

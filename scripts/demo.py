@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from tqdm.auto import tqdm
+    from infer.engine.progress import progress
 
     from infer.bench.offline import bench_workload, modes_for
     from infer.sim.report import format_table, model_meta, write_outputs
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
           f"scaled to fit each model's context; {torch.get_num_threads()} CPU thread(s)"
           + (f"; part 1: {a.real_preset} with replayed exits, {real_repeats} paired repeats" if real else ""))
     t0 = time.perf_counter()
-    bar = tqdm(total=total, desc="demo", unit="req", file=sys.stderr)
+    bar = progress(total, "demo", "req")
     lines = real_structure(a, workloads, n, real_repeats, bar, a.out) if real else []
     lab = not (a.tiny or a.no_lab) and (LAB / "config.json").exists()
     lab_lines = lab_tradeoff(3) if lab else []

@@ -24,6 +24,7 @@ import torch
 from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import add_load_args, load_model
 from infer.engine.llm_engine import LLMEngine
+from infer.engine.progress import progress
 from infer.engine.sampling import SamplingParams
 from infer.sim import bounds as B
 from infer.sim import replay as RP
@@ -366,7 +367,6 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(max_batch_size=32)
     a = p.parse_args(argv)
     scale = a.scale if a.scale == "auto" else float(a.scale)
-    from tqdm.auto import tqdm
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     base = engine_kwargs_from_args(a)
     modes = modes_for(a.ks, not a.no_norefill, not a.no_full_depth)
     n_req = sum(len(RP.requests_of(replay, w)) for w in workloads) if replay else len(workloads) * a.num_requests
-    bar = tqdm(total=a.repeats * len(modes) * n_req, desc="bench", unit="req")
+    bar = progress(a.repeats * len(modes) * n_req, "bench", "req")
     blocks = [bench_workload(model, tok, w, num_requests=a.num_requests, scale=scale, seed=a.seed, modes=modes,
                              repeats=a.repeats, base=base, progress=bar, stat=a.stat, record=bool(a.record_exits),
                              replay=replay) for w in workloads]

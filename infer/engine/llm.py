@@ -16,6 +16,7 @@ from looplm.model import LoopedLM
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
+from .progress import progress
 from .sampling import SamplingParams
 
 
@@ -123,8 +124,7 @@ class LLM:
         show = use_tqdm if use_tqdm is not None else len(plist) >= 32
         bar = None
         if show:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+            bar = progress(len(seqs), "generate", "req")
         done = 0
         with torch.inference_mode():
             while any(not s.finished for s in seqs):

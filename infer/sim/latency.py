@@ -27,6 +27,7 @@ import torch
 from infer.engine.block_manager import BlockManager
 from infer.engine.config import EngineConfig, add_engine_args, engine_config_from_args
 from infer.engine.llm import load_model
+from infer.engine.progress import progress
 from infer.engine.runner import ModelRunner
 from infer.engine.sampling import SamplingParams
 from infer.engine.scheduler import Work
@@ -231,13 +232,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"latency fit of {len(trace)} steps from {a.trace} (B* at {c:.0f} context tokens per item)")
         print_fits(fits, c)
         return
-    from tqdm.auto import tqdm
 
     if a.threads:
         torch.set_num_threads(a.threads)
     model, _ = load_model(a.model, a.dtype, a.device)
     npts = sum(a.max_tokens is None or b * c <= a.max_tokens for b in a.batch_sizes for c in a.contexts) * len(a.stages)
-    bar = tqdm(total=npts, desc="sweep", unit="point")
+    bar = progress(npts, "sweep", "point")
     rows = sweep(model, a.batch_sizes, a.contexts, a.repeats, tuple(a.stages), engine_config_from_args(a), progress=bar,
                  max_tokens=a.max_tokens)
     bar.close()
