@@ -23,43 +23,36 @@ def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
     """Prometheus text exposition of the engine snapshot (taken after every stage)."""
     s, c = aeng.snapshot, aeng.snapshot["counters"]
     lab = 'model_name="{}"'.format(model_name.replace("\\", "\\\\").replace('"', '\\"'))
-    rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-        ("cdb_num_requests_running", "gauge", "Requests holding a slot (prelude, core or coda queue).",
-         [("", s["running"])]),
-        ("cdb_num_requests_waiting", "gauge", "Requests waiting for prefill (slot / KV memory).",
-         [("", s["waiting"])]),
-        ("cdb_queue_length", "gauge", "Length of each of the four queues.",
-         [(f'stage="{k}"', v) for k, v in s["queues"].items()]),
-        ("cdb_kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).", [("", s["kv_usage"])]),
-        ("cdb_kv_cache_free_blocks", "gauge", "Free KV blocks.", [("", s["kv_free_blocks"])]),
-        ("cdb_kv_cache_total_blocks", "gauge", "KV blocks in the pool.", [("", s["kv_total_blocks"])]),
-        ("cdb_kv_cache_all_free", "gauge", "1 when every KV block and state slot is free.",
-         [("", int(s["kv_all_free"]))]),
-        ("cdb_generation_tokens_per_second", "gauge", f"Output tokens/s over the last {aeng.rate_window_s:g} s.",
-         [("", s["tokens_per_s"])]),
-        ("cdb_mean_exit_depth", "gauge", "Mean exit depth (loop steps) of decoded tokens since start.",
-         [("", s["mean_exit_depth"])]),
-        ("cdb_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-         [("", s["prefix_cache_queries"])]),
-        ("cdb_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled again).",
-         [("", s["prefix_cache_hits"])]),
-        ("cdb_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries since start (0 when none).",
-         [("", s["prefix_cache_hit_rate"])]),
-        ("cdb_prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", c["prompt_tokens"])]),
-        ("cdb_generation_tokens_total", "counter", "Output tokens generated.", [("", c["generation_tokens"])]),
-        ("cdb_request_success_total", "counter", "Finished requests by finish reason.",
+    G, C = "gauge", "counter"
+    # one sample each: (name, type, value, help)
+    scalars = [
+        ("cdb_num_requests_running", G, s["running"], "Requests holding a slot (prelude, core or coda queue)."),
+        ("cdb_num_requests_waiting", G, s["waiting"], "Requests waiting for prefill (slot / KV memory)."),
+        ("cdb_kv_cache_usage_perc", G, s["kv_usage"], "Fraction of KV blocks in use (1 = full)."),
+        ("cdb_kv_cache_free_blocks", G, s["kv_free_blocks"], "Free KV blocks."),
+        ("cdb_kv_cache_total_blocks", G, s["kv_total_blocks"], "KV blocks in the pool."),
+        ("cdb_kv_cache_all_free", G, int(s["kv_all_free"]), "1 when every KV block and state slot is free."),
+        ("cdb_generation_tokens_per_second", G, s["tokens_per_s"], f"Output tokens/s over the last {aeng.rate_window_s:g} s."),
+        ("cdb_mean_exit_depth", G, s["mean_exit_depth"], "Mean exit depth (loop steps) of decoded tokens since start."),
+        ("cdb_prefix_cache_queries_total", C, s["prefix_cache_queries"], "Prompt tokens looked up in the prefix cache."),
+        ("cdb_prefix_cache_hits_total", C, s["prefix_cache_hits"], "Prompt tokens found in the prefix cache (not prefilled again)."),
+        ("cdb_prefix_cache_hit_rate", G, s["prefix_cache_hit_rate"], "Prefix-cache hits / queries since start (0 when none)."),
+        ("cdb_prompt_tokens_total", C, c["prompt_tokens"], "Prompt tokens admitted."),
+        ("cdb_generation_tokens_total", C, c["generation_tokens"], "Output tokens generated."),
+        ("cdb_request_failure_total", C, c["requests_failed"], "Requests failed by an internal error."),
+        ("cdb_request_rejected_total", C, c["requests_rejected"], "Requests refused with 503 (waiting queue full)."),
+        ("cdb_request_aborted_total", C, c["requests_aborted"], "Requests aborted before they finished (client gone, shutdown)."),
+        ("cdb_engine_step_errors_total", C, c["step_errors"], "Engine stages that raised."),
+        ("cdb_engine_alive", G, int(aeng.alive), "1 while the engine thread runs."),
+        ("process_resident_memory_bytes", G, _rss_bytes(), "Resident memory of the server process."),
+    ]
+    rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [(n, k, h, [("", v)]) for n, k, v, h in scalars]
+    # one sample per label value
+    rows += [
+        ("cdb_queue_length", G, "Length of each of the four queues.", [(f'stage="{k}"', v) for k, v in s["queues"].items()]),
+        ("cdb_request_success_total", C, "Finished requests by finish reason.",
          [(f'finished_reason="{k}"', v) for k, v in c["requests_finished"].items()]),
-        ("cdb_request_failure_total", "counter", "Requests failed by an internal error.",
-         [("", c["requests_failed"])]),
-        ("cdb_request_rejected_total", "counter", "Requests refused with 503 (waiting queue full).",
-         [("", c["requests_rejected"])]),
-        ("cdb_request_aborted_total", "counter", "Requests aborted before they finished (client gone, shutdown).",
-         [("", c["requests_aborted"])]),
-        ("cdb_engine_step_errors_total", "counter", "Engine stages that raised.", [("", c["step_errors"])]),
-        ("cdb_stage_calls_total", "counter", "Stages run, by kind.",
-         [(f'stage="{k}"', v) for k, v in s["stage_calls"].items()]),
-        ("cdb_engine_alive", "gauge", "1 while the engine thread runs.", [("", int(aeng.alive))]),
-        ("process_resident_memory_bytes", "gauge", "Resident memory of the server process.", [("", _rss_bytes())]),
+        ("cdb_stage_calls_total", C, "Stages run, by kind.", [(f'stage="{k}"', v) for k, v in s["stage_calls"].items()]),
     ]
     # every other number LLMEngine.metrics() reports (preemptions, swaps, prefix-cache hits, ...)
     # shows up as a gauge without being wired here
