@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 class ParamError(ValueError):
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str | None = None):
+        """`code`: a machine-readable kind where an API names one (OpenAI's context_length_exceeded)."""
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code

@@ -76,8 +76,8 @@ def test_pool_exhaustion_never_deadlocks():
 
 
 BAD = [
-    ([], SamplingParams(), "prompt is empty"),
-    ([1] * 600, SamplingParams(), "does not fit the model's context of 512"),
+    ([], SamplingParams(), "'prompt' is empty"),
+    ([1] * 600, SamplingParams(), "maximum context length is 512 tokens"),
     ([1, 2, 999], SamplingParams(), "token id 999 outside the vocabulary"),
     ([1, -1], SamplingParams(), "token id -1"),
 ]
@@ -107,7 +107,7 @@ def test_bad_sampling_params(kw, field):
 
 def test_generate_validates_all_before_running():
     llm = LLM(model("ouro-tiny"), dtype="float64")
-    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+    with pytest.raises(ValueError, match="prompt 1: .prompt. is empty"):
         llm.generate([[1, 2], []], SamplingParams(max_tokens=3))
     assert not llm.engine.has_unfinished() and llm.engine.blocks.all_free
     outs = llm.generate([[1, 2], [3]], SamplingParams(max_tokens=3, ignore_eos=True))

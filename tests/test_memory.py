@@ -113,7 +113,7 @@ def test_real_shapes_construct_with_defaults_within_budget(caplog):
     assert eng.max_model_len < 65536 and eng.max_model_len == eng.blocks.num_blocks * eng.blocks.block_size
     warn = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
     assert len(warn) == 1 and "65536" in warn[0] and "kv_cache_memory" in warn[0]
-    with pytest.raises(ValueError, match="does not fit the model's context"):
+    with pytest.raises(ValueError, match="maximum context length is"):
         eng.add_request([1] * eng.max_model_len)
     s = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     while eng.has_unfinished():
@@ -135,7 +135,7 @@ def test_budget_smaller_than_one_block_fails_naming_numbers():
 def test_max_model_len_setting():
     m = model("ouro-tiny")
     eng = LLMEngine(m, EngineConfig(max_model_len=20, exit_threshold=0.55))
-    with pytest.raises(ValueError, match="context of 20 tokens"):
+    with pytest.raises(ValueError, match="maximum context length is 20 tokens"):
         eng.add_request([1] * 20)
     s = eng.add_request([1] * 15, SamplingParams(max_tokens=30, ignore_eos=True))
     while eng.has_unfinished():

@@ -46,32 +46,33 @@ def make_engine(model, tokenizer, mode: dict, base: dict) -> LLMEngine:
 
 
 def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_trace: bool = True,
-               prepare=None) -> dict:
+               trackers=None, seqs: list | None = None) -> dict:
     """Run every request through an (idle) engine; the raw measurement. The engine can be reused:
     its CUDA graphs, once captured by a first pass, are not captured again inside a timed run.
-    `prepare(seqs)` runs once the requests are added, before the first step (replay.py sets their
-    exit trackers there)."""
+    `trackers(i)`: request i's exit tracker (a replay's, infer/sim/replay.py); `seqs`: a list the
+    engine's sequences are added to (read them once the run is over)."""
     eng.trace = []
     eng.reset_prefix_cache()  # each pass starts cold: only sharing inside the request list counts
     m0, sp0 = eng.metrics(), eng.speculative_metrics()
-    seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
-            for i, r in enumerate(requests)]
-    if prepare is not None:
-        prepare(seqs)
+    added = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i),
+                             tracker=trackers(i) if trackers is not None else None)
+             for i, r in enumerate(requests)]
+    if seqs is not None:
+        seqs += added
     done = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         while eng.has_unfinished():
             eng.step()
             if progress is not None:
-                n = sum(s.finished for s in seqs)
+                n = sum(s.finished for s in added)
                 progress.update(n - done)
                 done = n
     if eng.model.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    outs = [eng.output(s) for s in seqs]
-    for s in seqs:
+    outs = [eng.output(s) for s in added]
+    for s in added:
         eng.release(s.request_id)
     bad = [i for i, (o, r) in enumerate(zip(outs, requests)) if len(o.token_ids) != r.output_len]
     if bad:
@@ -148,12 +149,12 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
         reqs = make_requests(workload, num_requests, seed=seed, scale=scale, max_model_len=ctx_len,
                              vocab_size=cfg.vocab_size, tokenizer=tokenizer)
     recorded = record_exits(model, tokenizer, reqs, base) if record else None
-    prep: dict[str, object] = {}  # per mode: the replay's tracker setup (its depths derived once)
+    prep: dict[str, object] = {}  # per mode: the replay's trackers (its depths derived once)
     if replay is not None:
         for m in modes:
             pol = EngineConfig(**{**base, **mode_kwargs(m)}).resolve(cfg, model.device).exit_policy(cfg)
             depths = RP.replay_depths(replay, workload, pol)
-            prep[m["name"]] = partial(_force, pol, depths) if pol.adaptive else None
+            prep[m["name"]] = partial(_forced, pol, depths) if pol.adaptive else None
     reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
     if model.device.type == "cuda":
         # one engine (KV pool, CUDA graphs) at a time; a full untimed pass captures every graph
@@ -162,9 +163,9 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
             eng = first if m is modes[0] else make_engine(model, tokenizer, m, base)
             first = None
             if warmup:
-                run_engine(eng, m, reqs, keep_trace=False, prepare=prep.get(m["name"]))
+                run_engine(eng, m, reqs, keep_trace=False, trackers=prep.get(m["name"]))
             for _ in range(repeats):
-                reps[m["name"]].append(run_engine(eng, m, reqs, progress, prepare=prep.get(m["name"])))
+                reps[m["name"]].append(run_engine(eng, m, reqs, progress, trackers=prep.get(m["name"])))
             del eng
             torch.cuda.empty_cache()
     else:
@@ -172,10 +173,10 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
         engines = {m["name"]: first if m is modes[0] else make_engine(model, tokenizer, m, base) for m in modes}
         if warmup:
             for m in modes:
-                run_engine(engines[m["name"]], m, reqs[:2], keep_trace=False, prepare=prep.get(m["name"]))
+                run_engine(engines[m["name"]], m, reqs[:2], keep_trace=False, trackers=prep.get(m["name"]))
         for rep in range(repeats):
             for m in (modes if rep % 2 == 0 else modes[::-1]):
-                reps[m["name"]].append(run_engine(engines[m["name"]], m, reqs, progress, prepare=prep.get(m["name"])))
+                reps[m["name"]].append(run_engine(engines[m["name"]], m, reqs, progress, trackers=prep.get(m["name"])))
     raws = {m["name"]: pick_raw(reps[m["name"]], stat) for m in modes}
     settings = {**base, "repeats": repeats, "stat": stat, "workload": workload, "seed": seed}
     results = summarize(raws, cfg, reqs, settings)
@@ -198,10 +199,9 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
     return out
 
 
-def _force(policy, depths: list[list[int]], seqs) -> None:
-    """Replay: each sequence exits after its recorded depths (depths[i][0] is the prefill's)."""
-    for s, d in zip(seqs, depths):
-        s.tracker = RP.ForcedTracker(policy, d[1:])
+def _forced(policy, depths: list[list[int]], i: int):
+    """Replay: request i exits after its recorded depths (depths[i][0] is the prefill's)."""
+    return RP.ForcedTracker(policy, depths[i][1:])
 
 
 def record_exits(model, tokenizer, reqs: list[Request], base: dict) -> dict:
@@ -209,15 +209,9 @@ def record_exits(model, tokenizer, reqs: list[Request], base: dict) -> dict:
     {"policy": ExitPolicy, "kv_layout", "requests": replay.record_block(...), "exit_depths"}."""
     mode = {"name": "record", "policy": "cdb", "refill": True, "min_coda_batch": 1}
     eng = make_engine(model, tokenizer, mode, base)
-    seqs: list = []
-
-    def prepare(added):
-        seqs.extend(added)
-        for s in added:
-            s.tracker = RP.RecordingTracker(s.policy)
-
-    raw = run_engine(eng, mode, reqs, keep_trace=False, prepare=prepare)
-    rows = [s.tracker.rows for s in seqs]
+    trackers = [RP.RecordingTracker(eng.policy) for _ in reqs]  # (the requests keep the engine's policy)
+    raw = run_engine(eng, mode, reqs, keep_trace=False, trackers=trackers.__getitem__)
+    rows = [t.rows for t in trackers]
     return {"policy": eng.policy, "kv_layout": eng.config.kv_layout, "requests": RP.record_block(rows, reqs),
             "exit_depths": raw["exit_depths"]}
 

@@ -121,7 +121,7 @@ def decode(eng, mode: dict, requests: list[Request], wave: int) -> tuple[list[tu
     outs, raws = [], []
     for i in range(0, len(requests), wave):
         seqs: list = []
-        raws.append(run_engine(eng, mode, requests[i:i + wave], prepare=seqs.extend))
+        raws.append(run_engine(eng, mode, requests[i:i + wave], seqs=seqs))
         outs += [(list(s.output_ids), list(s.exit_depths)) for s in seqs]
     return outs, raws
 
@@ -299,7 +299,7 @@ def tables(results: dict[str, dict]) -> list[str]:
 
 def pick_latency_settings(blocks: list[dict], depth: float, arg: list[str] | None) -> list[tuple[int, int]]:
     """`K:D` pairs as given, else per draft depth the k with the most tokens per launch at batch 1,
-    where a launch costs about the same whatever it carries: a chunk's emitted tokens over its
+    where a launch costs about the same whatever it carries: a window's emitted tokens over its
     launches, estimated as k draft rounds of (prelude + d core steps + coda), the verifier's core
     steps from d to the mean exit depth `depth` of the reference, and its coda."""
     if arg:

@@ -30,15 +30,33 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# The launch shapes, in one place (the model runner pads by them, infer/sim/runner.py prices them)
+def padded_batch(n: int, max_batch_size: int, pad_pow2: bool) -> int:
+    """The batch a launch of n decode items runs at: the next power of two, so that graphs and
+    kernels see a few shapes, but no larger than the next power of two of max_batch_size (a mixed
+    launch's prompt rows make n larger: then n itself)."""
+    return min(next_pow2(n), max(next_pow2(max_batch_size), n)) if pad_pow2 else n
+
+
+def table_width(max_position: int, block_size: int, num_blocks: int) -> int:
+    """A block table's width: the most blocks one sequence can hold (the model's context, or the
+    whole pool when that is smaller: a 65,536-token checkpoint on a pool of a few hundred tokens)."""
+    return min(-(-max_position // block_size), num_blocks)
+
+
+def context_blocks(nb: int, width: int, bucketed: bool) -> int:
+    """Context blocks the SDPA path attends for a longest context of nb blocks: bucketed (on CUDA)
+    to powers of two up to the table's width, so that graphs and kernels see a handful of shapes."""
+    return min(next_pow2(nb), width) if bucketed else nb
+
+
 class BatchState:
     def __init__(self, num_slots: int, block_size: int, max_position: int, num_blocks: int, scratch_row: int,
                  padded: Callable[[int], int], device: torch.device):
         """`num_slots` state slots, the last of which is the scratch slot of padding items (its
         table stays 0, its rows are the layout's `scratch_row`); `padded(n)`: the padded batch size."""
         S, B = num_slots, block_size
-        # a table's width: the most blocks one sequence can hold (the model's context, or the whole
-        # pool when that is smaller: a 65,536-token checkpoint on a pool of a few hundred tokens)
-        MB = min(-(-max_position // B), num_blocks)
+        MB = table_width(max_position, B, num_blocks)
         self.block_size, self.device, self.padded, self.scratch_row = B, device, padded, scratch_row
         self.scratch_slot = S - 1
         long = dict(dtype=torch.long, device=device)
@@ -177,9 +195,7 @@ class BatchState:
     def ctx_blocks(self, nb: int) -> int:
         """Context blocks the SDPA path attends (on CUDA, a few power-of-two buckets so that graphs
         and kernels see a handful of shapes)."""
-        if self.device.type == "cuda":
-            nb = min(next_pow2(nb), self.bt.shape[1])
-        return nb
+        return context_blocks(nb, self.bt.shape[1], self.device.type == "cuda")
 
     # ------------------------------------------------------------------ on the device
     def rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ class EngineConfig:
     cuda_graphs: bool | None = _f(None, "CUDA graphs for decode stages; default: on for CUDA devices")
     pipeline: bool | None = _f(None, "lookahead pipeline (launch step t before reading t-1's scores); default: "
                                      "on for CUDA with lookahead")
-    speculative_tokens: int = _f(0, "self-speculative decoding: verify chunks of k positions (the current token and "
+    speculative_tokens: int = _f(0, "self-speculative decoding: verify windows of k positions (the current token and "
                                     "k-1 tokens drafted at draft_depth loops) in one depth-major pass; greedy "
                                     "requests only, exact; 0 = off (refused with shared, first_then_shared and the "
                                     "kl / entropy_diff criteria)")
@@ -237,7 +237,7 @@ def check_prefix_caching(kv_layout: str | None, enable: bool | None, prefill: st
 def check_speculation(kv_layout: str | None, k: int, draft_depth: int | None) -> None:
     if not isinstance(k, int) or k < 0 or k == 1:
         raise ParamError("speculative_tokens", f"speculative_tokens must be 0 (off) or an integer >= 2 (positions "
-                                               f"verified per chunk), got {k!r}")
+                                               f"verified per window), got {k!r}")
     if draft_depth is not None and (not isinstance(draft_depth, int) or draft_depth < 1):
         raise ParamError("draft_depth", f"draft_depth must be an integer >= 1, got {draft_depth!r}")
     if k and kv_layout is not None and not layout_class(kv_layout).depth_slots_exact:

@@ -15,6 +15,7 @@ import torch
 
 from looplm.errors import ParamError
 from looplm.model import LoopedLM
+from looplm.policy import ExitTracker
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -22,9 +23,10 @@ from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
 from .output import OutputProcessor
 from .runner import ModelRunner, Runner
 from .sampler import Sampler
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_prompt, check_token_ids
 from .scheduler import Scheduler, Work
 from .sequence import Sequence, Stage
+from .trace import TraceRow, trace_row
 
 
 STAGE_NAMES = {s: s.value for s in Stage}  # (Enum.value is a descriptor call: this runs once per stage)
@@ -55,7 +57,7 @@ def speculative_rates(sp: dict) -> dict:
     vLLM's; drafts after a rejected one count as not accepted), the draft acceptance probability
     (accepted / (accepted + rejected): the chance that a draft whose predecessors were accepted is
     accepted too, what the simulator's --acceptance draws), and the tokens per verification
-    (tokens emitted from chunks of more than one position / such chunks)."""
+    (tokens emitted from windows of more than one position / such windows)."""
     seen = sp["accepted"] + sp["rejected"]
     return {**sp, "acceptance_rate": sp["accepted"] / sp["drafted"] if sp["drafted"] else 0.0,
             "draft_accept_prob": sp["accepted"] / seen if seen else 0.0,
@@ -88,9 +90,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
-        self.eos_ids = {t for t in [cfg.eos_token_id, *cfg.stop_token_ids,
-                                    getattr(tokenizer, "eos_token_id", None)] if t is not None}
-        self.trace: list[dict] = []
+        self.eos_ids = frozenset(t for t in [cfg.eos_token_id, *cfg.stop_token_ids,
+                                    getattr(tokenizer, "eos_token_id", None)] if t is not None)
+        self.trace: list[TraceRow] = []
         # instruments around each launch (LLMEngine._launch): f(work, None) before, f(work, seconds) after
         self.on_launch: list[Callable[[Work, float | None], None]] = []
         # score_reads: stages whose exit scores the host read back (core steps; the prelude under the
@@ -99,22 +101,23 @@ class LLMEngine:
                       "speculative": dict.fromkeys(("stages", "verifications", "drafted", "accepted", "rejected", "emitted",
                                                     "verified_tokens", "draft_launches", "verify_launches"), 0)}
         # logits -> tokens, depths, log-probs, text, stop rules, finish (output.py)
-        self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, self.eos_ids, c.max_model_len,
-                                         cfg.r_max, c.seed, self.stats)
+        self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, cfg.r_max, c.seed, self.stats)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    forced_output: list[int] | None = None) -> Sequence:
+                    forced_output: list[int] | None = None, tracker: ExitTracker | None = None) -> Sequence:
         """Validate and queue a request. Bad input raises ParamError (a ValueError naming the field)
         and changes nothing. `forced_output` teacher-forces the continuation: each token is decoded
-        with the adaptive exit policy and its log-prob recorded (what lm-eval's loglikelihood needs)."""
+        with the adaptive exit policy and its log-prob recorded (what lm-eval's loglikelihood needs).
+        `tracker`: an exit tracker of the caller's for this request's policy instead of the
+        scheduler's own (a replay forcing recorded depths, infer/sim/replay.py)."""
         params = params or SamplingParams()
         cfg = self.model.cfg
         if forced_output is not None:
-            if not forced_output or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in forced_output):
-                raise ParamError("forced_output", "forced_output must be a non-empty list of token ids in the "
-                                                  "vocabulary")
+            if not forced_output:
+                raise ParamError("forced_output", "forced_output must be a non-empty list of token ids")
+            check_token_ids(forced_output, cfg.vocab_size, "forced_output")
             params = SamplingParams(**{**params.__dict__, "max_tokens": len(forced_output), "logprobs": True,
                                        "ignore_eos": True, "stop": [], "stop_token_ids": []})
         params.validate()
@@ -125,27 +128,19 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-        if not ids:
-            raise ParamError("prompt", "prompt is empty")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
-        if bad:
-            raise ParamError("prompt", f"prompt has token id {bad[0]!r} outside the vocabulary [0, {cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ParamError("prompt", f"prompt of {len(ids)} tokens does not fit the model's context of "
-                                       f"{self.max_model_len} tokens (max_model_len; at least one position must "
-                                       f"remain for the output)")
+        check_prompt(ids, cfg.vocab_size, self.max_model_len)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.seqs:
             raise ParamError("request_id", f"request id {rid!r} is already in use")
         policy = self.policy.override(threshold=params.exit_threshold, r_min=params.r_min, r_max=params.r_max)
         seq = Sequence(next(self._seq_ids), rid, ids, params, policy,
-                       arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
+                       arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
+                       text_prompt=text_prompt, forced=list(forced_output) if forced_output is not None else None,
+                       eos_ids=self.eos_ids, max_model_len=self.max_model_len, tracker=tracker)
         # No pool check: a request never holds more than max_model_len tokens (it stops for length
         # there), and memory.size_pool lowered max_model_len to the pool's whole blocks, so every
         # request can run alone once everything else is preempted: no deadlock, and no request is
         # refused for a max_tokens beyond the pool (vLLM's rule: max_tokens is capped, not refused).
-        seq.text_prompt = text_prompt
-        seq.forced = list(forced_output) if forced_output is not None else None
         self.processor.add(seq)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
@@ -190,7 +185,7 @@ class LLMEngine:
         return out
 
     def speculative_metrics(self, since: dict | None = None) -> dict:
-        """Self-speculation counters (EngineConfig.speculative_tokens): speculative stages, chunks of
+        """Self-speculation counters (EngineConfig.speculative_tokens): speculative stages, windows of
         more than one position verified and the tokens they gave, tokens drafted / accepted /
         emitted, draft and verify launches; and the two rates. `since`: an earlier result, whose
         counts are subtracted (one benchmark pass on a reused engine). metrics() shows them as spec_*."""
@@ -205,7 +200,7 @@ class LLMEngine:
             if swap is not None:
                 swap(ops)
 
-    def _count(self, work: Work, out, record: dict | None) -> None:
+    def _count(self, work: Work, out, record: tuple[TraceRow, float] | None) -> None:
         """Stage counters (a speculative stage's own: OutputProcessor._accept), and the trace row of
         a traced stage (`record`, from `_record`; a speculative stage brings one row per launch)."""
         calls = self.stats["stage_calls"]
@@ -220,14 +215,14 @@ class LLMEngine:
                 return
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize()
-            record["score_reads"] = int(reads)
-            record["seconds"] = time.perf_counter() - record.pop("t0")
-            self.trace.append(record)
+            row, t0 = record
+            row["score_reads"], row["seconds"] = int(reads), time.perf_counter() - t0
+            self.trace.append(row)
 
-    def _record(self, work: Work) -> dict:
-        """A trace row: the stage, its batch, the context tokens it reads, and what
-        infer/sim/work.py counts (causal prefix rows of prompt positions, head rows of final
-        chunks, the loop steps of a fused launch)."""
+    def _record(self, work: Work) -> tuple[TraceRow, float]:
+        """A trace row (infer/engine/trace.py) and the stage's start time: the stage, its batch, the
+        context tokens it reads, and what infer/sim/work.py counts (causal prefix rows of prompt
+        positions, head rows of final chunks, the loop steps of a fused launch)."""
         n = len(work.seqs)
         if work.stage is Stage.PREFILL:
             ctx = tokens = prompt = sum(len(s.prompt_ids) for s in work.seqs)
@@ -236,12 +231,12 @@ class LLMEngine:
             ctx, tokens, pairs = sum(s.num_tokens for s in work.seqs), n, 0
             prompt = sum(s.chunk[1] - s.chunk[0] for s in work.chunks)
         spans = [s.chunk for s in work.chunks]
-        return {"stage": work.stage.value, "batch": n,
-                "padded": n if work.stage is Stage.PREFILL or not n else self.runner.padded(n), "tokens": tokens,
-                "context": ctx, "prompt_tokens": prompt, "chunks": len(work.chunks) if work.chunks else
-                (n if work.stage is Stage.PREFILL else 0), "context_pairs": pairs,
-                "prompt_pairs": sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
-                "finals": len(work.finals), "r_max": work.r_max or self.model.cfg.r_max, "t0": time.perf_counter()}
+        row = trace_row(work.stage.value, n, padded=n if work.stage is Stage.PREFILL or not n else self.runner.padded(n),
+                        tokens=tokens, context=ctx, prompt_tokens=prompt,
+                        chunks=len(work.chunks) if work.chunks else (n if work.stage is Stage.PREFILL else 0),
+                        context_pairs=pairs, prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
+                        finals=len(work.finals), r_max=work.r_max or self.model.cfg.r_max, seconds=0.0, score_reads=0)
+        return row, time.perf_counter()
 
     # ------------------------------------------------------------------ outputs
     def output(self, s: Sequence) -> RequestOutput:

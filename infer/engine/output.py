@@ -48,24 +48,18 @@ def prompt_logprobs(s: Sequence, logits: torch.Tensor) -> None:
 
 
 class OutputProcessor:
-    def __init__(self, sampler: Sampler, tokenizer, eos_ids: Iterable[int], max_model_len: int, r_full: int,
-                 seed: int, stats: dict):
+    def __init__(self, sampler: Sampler, tokenizer, r_full: int, seed: int, stats: dict):
         """`r_full`: the depth of a prompt's first token; `stats`: the engine's token counters
         (`tokens`, `depth_sum`: decode tokens only)."""
         self.sampler, self.tokenizer = sampler, tokenizer
-        self.eos_ids = frozenset(eos_ids)
-        self.max_model_len, self.r_full, self.seed, self.stats = max_model_len, r_full, seed, stats
+        self.r_full, self.seed, self.stats = r_full, seed, stats
         self.sampling: set[int] = set()  # seq_ids of the unfinished requests that sample (Sequence.sampled)
         self.extras: set[int] = set()  # seq_ids of the unfinished requests with extras (Sequence.extras)
         self._detok: dict[int, IncrementalDetokenizer] = {}  # by seq_id, while a request decodes
 
     def add(self, s: Sequence) -> None:
-        """A new request: what the per-token loop reads, decided once."""
+        """A new request: its generator, and the sets of requests that sample / need extras."""
         p = s.params
-        s.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
-        s.max_out = min(p.max_tokens, self.max_model_len - len(s.prompt_ids))
-        s.extras = s.forced is not None or bool(p.logprobs)
-        s.sampled = p.temperature > 0 and s.forced is None
         s.generator = torch.Generator().manual_seed(p.seed if p.seed is not None
                                                     else self.seed * 1_000_003 + s.seq_id)
         if s.sampled:
@@ -133,11 +127,11 @@ class OutputProcessor:
 
     def _accept(self, seqs: list[Sequence], out: SpecOut) -> dict[int, str]:
         """A speculative stage's outcome (speculative.py): each sequence's verified tokens in order,
-        chunk position by chunk position, as coda rows (sampling, stop rules, log-probs), stopping
+        window position by window position, as coda rows (sampling, stop rules, log-probs), stopping
         a sequence at its first rejected draft: position i+1's row counts only if its drafted
         input equals the token just emitted from position i. Counts the stage into the engine's
         speculation counters (`stats["speculative"]`: drafted and accepted tokens, drafts rejected
-        (the chunks that ended at one), emitted tokens, verified chunks (of more than one
+        (the windows that ended at one), emitted tokens, verified windows (of more than one
         position) and the tokens they gave, its draft and verify launches) and its core launches'
         score reads."""
         start = [0]
@@ -168,7 +162,7 @@ class OutputProcessor:
                         sp["accepted"] += 1
                         nxt.append(b)
                     else:
-                        sp["rejected"] += 1  # the chunk ends at this draft
+                        sp["rejected"] += 1  # the window ends at this draft
             alive = nxt
         for phase, n in out.launches.items():
             sp[phase + "_launches"] += n

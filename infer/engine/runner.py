@@ -28,7 +28,7 @@ from looplm.exits import initial_aux, preloop_cdf, score_rule
 from looplm.model import LoopedLM
 
 from . import mixed, speculative, stages
-from .batch_state import BatchState, next_pow2
+from .batch_state import BatchState, padded_batch
 from .block_manager import BlockManager
 from .graphs import GraphCache
 from .scheduler import Scores, SwapOp, Work
@@ -100,7 +100,6 @@ class ModelRunner:
         self.model, self.cfg, self.blocks, self.criterion = model, model.cfg, blocks, criterion
         self.device, self.dtype = model.device, model.dtype
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
-        self._pad_cap = next_pow2(max_batch_size)
         self.layout = make_layout(kv_layout, self.cfg, blocks.num_blocks * blocks.block_size, self.dtype, self.device)
         S, D = blocks.num_slots + 1, self.cfg.hidden_size  # slot S-1 is the scratch slot for padding
         self.scratch_slot = S - 1
@@ -131,7 +130,7 @@ class ModelRunner:
     clock = None  # wall time is real (Runner.clock)
 
     def padded(self, n: int) -> int:
-        return min(next_pow2(n), max(self._pad_cap, n)) if self.pad_pow2 else n
+        return padded_batch(n, self.max_batch_size, self.pad_pow2)
 
     @property
     def attention_stats(self) -> dict | None:

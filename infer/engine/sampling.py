@@ -65,6 +65,39 @@ class SamplingParams:
             raise bad(e.param, str(e)) from None
 
 
+# ---- the checks of a request's tokens: the engine's (LLMEngine.add_request) and the server's, which
+# runs them on the tokenized prompt before it fills in max_tokens (infer/serving/async_engine.py)
+def check_token_ids(ids: list, vocab_size: int, what: str) -> None:
+    """Every id of `ids` (a request field: the prompt, stop_token_ids, forced tokens) is a token of
+    the vocabulary."""
+    for t in ids:
+        if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size):
+            raise ParamError(what, f"'{what}' has token id {t!r} outside the vocabulary [0, {vocab_size})")
+
+
+def check_prompt(ids: list, vocab_size: int, max_model_len: int, what: str = "prompt") -> None:
+    """A prompt has tokens, all in the vocabulary, and leaves at least one position of the context
+    for the output."""
+    if not ids:
+        raise ParamError(what, f"'{what}' is empty (zero tokens)")
+    check_token_ids(ids, vocab_size, what)
+    if len(ids) >= max_model_len:
+        raise context_exceeded(max_model_len, len(ids), what)
+
+
+def context_exceeded(max_model_len: int, n: int, what: str = "prompt", max_tokens: int | None = None) -> ParamError:
+    """vLLM's error for a request that does not fit the context: a prompt of `n` tokens that leaves
+    no room for the output, or with `max_tokens` output tokens that together exceed it."""
+    head = f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, "
+    if max_tokens is None:
+        return ParamError(what, head + f"your request has {n} input tokens, which leaves no room for the output. "
+                                       f"Please reduce the length of the input {what}.", "context_length_exceeded")
+    return ParamError("max_tokens", head + f"you requested {max_tokens} output tokens and your prompt contains {n} "
+                                           f"input tokens, for a total of {n + max_tokens} tokens. Please reduce the "
+                                           f"length of the input {what} or the number of requested output tokens.",
+                      "context_length_exceeded")
+
+
 def find_stop(text: str, stops: list[str], start: int) -> int:
     """Index in `text` where the earliest stop string begins, searching from `start`; -1 if none."""
     best = -1

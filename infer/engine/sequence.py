@@ -1,14 +1,26 @@
 """A request's bookkeeping as it moves through the four queues, and the stage enum. Pure Python.
 
 `Stage` names both what the engine runs in one step (a prefill, a prelude, one core step, a coda,
-CB's fused iteration, or a speculative draft-and-verify of a few sequences) and where a running sequence waits: `seq.stage` is the stage it takes
-part in next (PREFILL = the waiting queue; CB's fused iteration consumes the PRELUDE queue).
+CB's fused iteration, or a speculative draft-and-verify of a few sequences) and where a running
+sequence waits: `seq.stage` is the stage it takes part in next (PREFILL = the waiting queue; CB's
+fused iteration consumes the PRELUDE queue).
+
+A `Sequence` has three parts, each written by one owner (vLLM V1's Request / scheduler state /
+output state; `OWNERS` names them and tests/test_sequence_owners.py checks every write in infer/):
+- the request: what was asked, with what the per-token loops derive from it (stop ids, the length
+  limit, whether it samples or needs extras), fixed at creation (`LLMEngine.add_request`);
+- the scheduler's state: the queue it waits in, its KV blocks and state slot, its loop step, its
+  prompt chunk in flight, its exit tracker, why it finished (scheduler.py and its parts chunks.py,
+  preemption.py; the output processor decides a stop's reason, `Scheduler.finish` records it);
+- the output processor's state: tokens, exit depths, log-probs, text, times (output.py).
+A *chunk* is always a span of prompt positions prefilled in one launch (mixed prefill); the k
+positions a speculative stage verifies are a *window* (spec_plan.py).
 """
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from looplm.policy import ExitPolicy, ExitTracker
 
@@ -44,18 +56,24 @@ class Stage(enum.Enum):
 @dataclass(eq=False, slots=True)  # identity: queue membership tests must not compare every field; slots: the
 # per-item hot loops (scheduler, engine, runner) read attributes from a fixed layout, not a dict
 class Sequence:
+    # ---- the request (set at creation, never written)
     seq_id: int
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     policy: ExitPolicy
     arrival_time: float = field(default_factory=time.perf_counter)
-    output_ids: list[int] = field(default_factory=list)
-    exit_depths: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token (params.top_logprobs)
-    prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first prompt token
-    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    text_prompt: str | None = None
+    forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
+    # how the request's EOS ids and context bound it (not kept): what the per-token loops read is
+    # derived from them once, below
+    eos_ids: InitVar[frozenset[int]] = frozenset()
+    max_model_len: InitVar[int | None] = None
+    stop_ids: frozenset = field(init=False)  # stop token ids (with the EOS ids unless ignore_eos)
+    max_out: int = field(init=False)  # output tokens at which it stops for length (max_tokens, capped by the context)
+    extras: bool = field(init=False)  # teacher-forced or asks for log-probs: OutputProcessor._extras handles its row
+    sampled: bool = field(init=False)  # temperature > 0 and not teacher-forced
+    # ---- the scheduler's state
     stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
     finish_reason: str | None = None
     blocks: list[int] = field(default_factory=list)  # KV block table
@@ -69,21 +87,30 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: digests of full prompt blocks
     chunk: tuple[int, int] | None = None  # mixed prefill: the prompt positions [start, end) in flight
     step_scored: int = 0  # pipelined core: steps whose exit score the tracker has seen
+    # the current token's exit decision (made at its first prelude, reset per token); a caller may
+    # bring its own (a replay forcing recorded depths: LLMEngine.add_request(tracker=))
     tracker: ExitTracker | None = None
+    # ---- the output processor's state
+    output_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token (params.top_logprobs)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # None for the first prompt token
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     text: str = ""  # detokenized output (when a tokenizer is attached)
     stop_checked: int = 0  # chars of `text` already searched for stop strings
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    text_prompt: str | None = None
-    forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
     forced_greedy: bool = True  # teacher forcing: every forced token so far was the argmax
     generator: object = None  # the request's torch.Generator (sampling with a seed)
-    # set by OutputProcessor.add for the per-token loop (output.py, sampler.py)
-    stop_ids: frozenset = frozenset()  # stop token ids (with the EOS ids unless ignore_eos)
-    max_out: int = 0  # output tokens at which it stops for length (max_tokens, capped by the context)
-    extras: bool = False  # teacher-forced or asks for log-probs: OutputProcessor._extras handles its row
-    sampled: bool = False  # temperature > 0 and not teacher-forced
+
+    def __post_init__(self, eos_ids: frozenset[int], max_model_len: int | None) -> None:
+        p = self.params
+        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_ids))
+        self.max_out = p.max_tokens if max_model_len is None else min(p.max_tokens, max_model_len - len(self.prompt_ids))
+        self.extras = self.forced is not None or bool(p.logprobs)
+        self.sampled = p.temperature > 0 and self.forced is None
 
     @property
     def num_tokens(self) -> int:
@@ -110,3 +137,18 @@ class Sequence:
     def reserved_tokens(self, max_model_len: int) -> int:
         """KV rows the request can ever use: prompt + outputs, capped by the context."""
         return min(len(self.prompt_ids) + self.params.max_tokens, max_model_len)
+
+
+# Who writes each part (tests/test_sequence_owners.py checks every assignment and list mutation of
+# a Sequence field in infer/ against this). The request's fields are written by no one.
+OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "request": (frozenset(), ("seq_id", "request_id", "prompt_ids", "params", "policy", "arrival_time",
+                              "text_prompt", "forced", "stop_ids", "max_out", "extras", "sampled")),
+    "scheduler": (frozenset({"infer/engine/scheduler.py", "infer/engine/chunks.py", "infer/engine/preemption.py"}),
+                  ("stage", "finish_reason", "blocks", "room", "slot", "step", "prefilled", "block_hashes", "chunk", "step_scored",
+                   "tracker")),
+    "output": (frozenset({"infer/engine/output.py"}),
+               ("output_ids", "exit_depths", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
+                "text", "stop_checked", "first_token_time", "finish_time", "token_times",
+                "forced_greedy", "generator")),
+}

@@ -3,21 +3,21 @@ the serving exit policy in one depth-major pass, keep what the verifier would ha
 
 Why it is exact (depth-indexed KV layouts only). The state of (position p, loop step s) depends on
 the step-s K/V of positions <= p and on (p, s-1); a position's exit decision depends only on its
-own states. So a chunk of positions that runs depth-major (every live position's step s in one
+own states. So a window of positions that runs depth-major (every live position's step s in one
 launch, before any position's step s+1; a position that exits has its later depth slots filled
 with its exit-step K/V at once, before a later position reads them) computes, for every position
-whose input token is the true one, exactly what token-by-token decoding computes. The chunk is the
+whose input token is the true one, exactly what token-by-token decoding computes. The window is the
 current token (its input is known) and k-1 drafted tokens after it:
 
-1. draft, one round per chunk position: prelude, the policy's core steps capped at `draft_depth`
+1. draft, one round per window position: prelude, the policy's core steps capped at `draft_depth`
    (a position whose policy exits at d <= draft_depth is already final: filled, done), then a coda
    on the capped state whose argmax is the next position's input (the draft's guess);
 2. verify: the positions still in the loop continue from step draft_depth+1, one launch per loop
    step, each to its own exit (the draft's shallow slots are reused, not recomputed); then one
-   coda launch over every chunk position at its final state (coda K/V written before it is read,
+   coda launch over every window position at its final state (coda K/V written before it is read,
    causally, as in the depth-major prefill);
 3. accept (engine side, OutputProcessor.accept_speculative): position i's token is the verifier's; the next position counts
-   only if its drafted input equals that token. The first mismatch ends the chunk; the rows of the
+   only if its drafted input equals that token. The first mismatch ends the window; the rows of the
    rejected positions are garbage that the next real decode of those positions overwrites (every
    depth slot of a decoded position is written or filled before anything reads it), and the
    scheduler gives their blocks back (rollback).
@@ -44,14 +44,15 @@ from . import stages
 from .sequence import Sequence, Stage
 from .spec_plan import SpecPlan, spec_row
 from .stages import TokenBatch
+from .trace import TraceRow
 
 if TYPE_CHECKING:
     from kv_layouts import KVLayout
 
 
 class SpecOut(NamedTuple):
-    """What a speculative stage returns: the verifier's logits [sum(ks), V] of every chunk position
-    (sequence-major), and per sequence the drafted tokens (the inputs of chunk positions 1..k-1)
+    """What a speculative stage returns: the verifier's logits [sum(ks), V] of every window position
+    (sequence-major), and per sequence the drafted tokens (the inputs of window positions 1..k-1)
     and each position's exit depth; the launches it ran (draft / verify counts, and one trace row
     per launch in the format of LLMEngine._record, `phase` added: infer/sim/work.py counts them)."""
     logits: torch.Tensor
@@ -59,15 +60,15 @@ class SpecOut(NamedTuple):
     drafts: list[list[int]]
     depths: list[list[int]]
     launches: dict[str, int]
-    rows: list[dict]
+    rows: list[TraceRow]
 
 
 @torch.inference_mode()
 def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str, seqs: list[Sequence],
               ks: list[int], draft_depth: int) -> SpecOut:
-    """Draft and verify chunks of `ks[b]` positions after each sequence's last token (a chunk of 1
+    """Draft and verify windows of `ks[b]` positions after each sequence's last token (a window of 1
     is a plain decode of that token), launch by launch as the plan (spec_plan.py) says. Each
-    sequence's block table covers every chunk position."""
+    sequence's block table covers every window position."""
     cfg, dev = model.cfg, model.device
     rule = score_rule(criterion, cfg)
     plan = SpecPlan(ks, draft_depth, [s.num_tokens - 1 for s in seqs])
@@ -84,7 +85,7 @@ def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str
     trackers = [ExitTracker(seqs[b].policy) for b in owner]
     drafts: list[list[int]] = [[] for _ in seqs]
     launches = {"draft": 0, "verify": 0}
-    trace: list[dict] = []
+    trace: list[TraceRow] = []
     t0 = time.perf_counter()
     logits = None
 
@@ -124,7 +125,7 @@ def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str
             toks = stages.coda(model, layout, batch(idx), state[ix]).argmax(-1).tolist()
             for i, tok in zip(idx, toks):
                 drafts[owner[i]].append(tok)
-        else:  # every chunk position at its final state
+        else:  # every window position at its final state
             logits = stages.coda(model, layout, batch(idx), state)
             if dev.type == "cuda":
                 torch.cuda.synchronize()

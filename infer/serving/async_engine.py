@@ -23,7 +23,7 @@ import torch
 
 from looplm.errors import ParamError
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling import SamplingParams, check_prompt, context_exceeded
 from infer.engine.sequence import Sequence
 
 from .protocol import APIError, end_of_turn_ids, render_chat
@@ -255,22 +255,16 @@ class AsyncEngine:
         if params["stop"] and tok is None:
             raise APIError(400, "stop strings need a tokenizer, which this model lacks; use stop_token_ids", "stop")
         ctx, n = self.max_model_len, len(ids)
-        if not ids:
-            raise APIError(400, f"'{field_}' encodes to zero tokens", field_)
         what = "messages" if field_ == "messages" else "prompt"
-        if n >= ctx:  # vLLM's wording; at least one position must remain for the output
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens (max_model_len). However, "
-                                f"your request has {n} input tokens, which leaves no room for the output. Please "
-                                f"reduce the length of the input {what}.", field_, code="context_length_exceeded")
+        try:  # the engine's checks, before max_tokens is filled in from the prompt's length
+            check_prompt(ids, self.engine.model.cfg.vocab_size, ctx, what)
+            if given and n + params["max_tokens"] > ctx:  # vLLM's server refuses (the engine would cap)
+                raise context_exceeded(ctx, n, what, params["max_tokens"])
+        except ParamError as e:
+            raise APIError(400, str(e), field_ if e.param == what else e.param, code=e.code) from None
         if not given:  # vLLM's rule: the rest of the context (completions: at most OpenAI's default of 16)
             cap = params["max_tokens"]
             params = {**params, "max_tokens": ctx - n if cap is None else min(cap, ctx - n)}
-        elif n + params["max_tokens"] > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens (max_model_len). However, "
-                                f"you requested {params['max_tokens']} output tokens and your prompt contains {n} "
-                                f"input tokens, for a total of {n + params['max_tokens']} tokens. Please reduce the "
-                                f"length of the input {what} or the number of requested output tokens.",
-                           "max_tokens", code="context_length_exceeded")
         forced = None
         if teacher_force:  # score prompt[1:] through the exit policy (a 1-token prompt has nothing to score)
             params = {**params, "prompt_logprobs": 0, "logprobs": True}

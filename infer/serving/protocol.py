@@ -11,6 +11,9 @@ from http import HTTPStatus
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.engine.sampling import check_token_ids
+from looplm.errors import ParamError
+
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_MESSAGES = 1024
@@ -110,9 +113,10 @@ def get(body: dict, name: str, kind: str, default=None):
 def token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
     if not isinstance(v, list) or not all(_KINDS["integer"](t) for t in v):
         raise bad(name, f"'{name}' must be an array of integer token ids")
-    for t in v:
-        if not 0 <= t < vocab_size:
-            raise bad(name, f"'{name}' has token id {t} outside the vocabulary [0, {vocab_size})")
+    try:
+        check_token_ids(v, vocab_size, name)  # the engine's rule
+    except ParamError as e:
+        raise bad(name, str(e)) from None
     return v
 
 

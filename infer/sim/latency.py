@@ -32,6 +32,7 @@ from infer.engine.runner import ModelRunner
 from infer.engine.sampling import SamplingParams
 from infer.engine.scheduler import Work
 from infer.engine.sequence import Sequence, Stage
+from infer.engine.trace import TraceRow
 
 
 @dataclass
@@ -79,7 +80,7 @@ def fit_linear(nb, nc, t) -> tuple[float, float, float, float]:
     return c.get("delta", 0.0), c.get("gamma", 0.0), c.get("alpha", 0.0), r2
 
 
-def fit_trace(trace: list[dict], batch_key: str = "padded") -> dict[str, StageFit]:
+def fit_trace(trace: list[TraceRow], batch_key: str = "padded") -> dict[str, StageFit]:
     """One fit per stage of an engine trace (rows: stage, batch, padded, tokens, context, seconds)."""
     out = {}
     for stage in sorted({r["stage"] for r in trace}):
@@ -124,15 +125,15 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
     for ctx, b, stage in points:
         seqs = []
         for i in range(b):
-            s = Sequence(seq_id=i, request_id=str(i), prompt_ids=[FIRST] * max(1, ctx - 1),
-                         params=SamplingParams(max_tokens=1), policy=policy)
-            s.output_ids = [FIRST] if ctx > 1 else []
             # each prelude call moves the device position on (the runner's persistent state): room
             # for the repeats in the sequence's own blocks
-            s.blocks, s.slot = bm.allocate(ctx + (repeats + 1 if stage == "prelude" else 0))
-            s.step = 1 if stage == "core" else cfg.r_max  # a coda item exited at r_max: no last-exited fill
-            s.stage = Stage(stage)
-            seqs.append(s)
+            blocks, slot = bm.allocate(ctx + (repeats + 1 if stage == "prelude" else 0))
+            # a sequence made at the point of the stage (no scheduler): its blocks, slot and loop step
+            # (a coda item exited at r_max: no last-exited fill)
+            seqs.append(Sequence(seq_id=i, request_id=str(i), prompt_ids=[FIRST] * max(1, ctx - 1),
+                                 params=SamplingParams(max_tokens=1), policy=policy,
+                                 output_ids=[FIRST] if ctx > 1 else [], blocks=blocks, slot=slot,
+                                 step=1 if stage == "core" else cfg.r_max, stage=Stage(stage)))
         work = Work(Stage(stage), seqs, changed=seqs)  # new slots and block tables for the runner
         with torch.inference_mode():
             runner.run(work)  # warm-up

@@ -11,10 +11,12 @@ from math import comb
 import torch
 
 from infer.engine.memory import state_slot_bytes
-from infer.engine.runner import Emitted, next_pow2
+from infer.engine.batch_state import context_blocks, padded_batch, table_width
+from infer.engine.runner import Emitted
 from infer.engine.scheduler import SwapOp, Work
 from infer.engine.sequence import Sequence, Stage
 from infer.engine.spec_plan import SpecPlan, spec_row
+from infer.engine.trace import TraceRow, trace_row
 from infer.engine.speculative import SpecOut
 from kv_layouts import layout_class
 from looplm.config import LoopConfig
@@ -90,7 +92,7 @@ class SimRunner:
         self.clock = 0.0
         self.swap_seconds = 0.0
         self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
-        self.trace: list[dict] = []
+        self.trace: list[TraceRow] = []
         self.first_at: dict[int, float] = {}  # seq_id -> virtual time of its first / latest token
         self.last_at: dict[int, float] = {}
 
@@ -107,7 +109,7 @@ class SimRunner:
                 self.swap_seconds += t
 
     def padded(self, n: int) -> int:
-        return min(next_pow2(n), max(next_pow2(self.max_batch_size), n)) if self.pad_pow2 else n
+        return padded_batch(n, self.max_batch_size, self.pad_pow2)
 
     def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
         seqs, n = work.seqs, len(work.seqs)
@@ -120,8 +122,9 @@ class SimRunner:
             filled = sum(self.fill_slots(self.cfg, s.step) for s in seqs) if work.stage is Stage.CODA else 0
             ctx = [s.num_tokens for s in seqs]
             bs = self.blocks.block_size
-            width = min(-(-self.cfg.max_position // bs), self.blocks.num_blocks) * bs  # the runner's table width
-            L = min(max(bs, next_pow2(-(-max(ctx) // bs) * bs)), width) if ctx else 0
+            # the rows the SDPA path gathers per item: the longest context, bucketed as on CUDA
+            width = table_width(self.cfg.max_position, bs, self.blocks.num_blocks)
+            L = context_blocks(-(-max(ctx) // bs), width, True) * bs if ctx else 0
             N = self.padded(n) if n else 0
             spans = [s.chunk for s in work.chunks]
             c = Call(work.stage, n, N, n, sum(ctx), r_max=work.r_max, filled=filled, rows_sdpa=N * L,
@@ -131,14 +134,16 @@ class SimRunner:
                      finals=len(work.finals))
         t = self.cost(c)
         self.clock += t
-        row = {"stage": work.stage.value, "batch": n, "padded": c.padded, "tokens": c.tokens, "context": c.context,
-               "seconds": t, "prompt_tokens": c.prompt_tokens if work.stage is not Stage.PREFILL else c.tokens,
-               # what work.py counts: causal prefix rows of the prompt positions, head rows of final chunks
-               "context_pairs": (c.context_sq + c.tokens) // 2 if work.stage is Stage.PREFILL else 0,
-               "prompt_pairs": c.prompt_pairs, "finals": c.finals, "r_max": work.r_max or self.cfg.r_max}
-        if work.chunks:  # the launch's cost that the prompts add (weights are paid by the decode items anyway)
-            row["prompt_seconds"] = t - self.cost(c.without_prompts()) if n else t
-        self.trace.append(row)
+        prefill = work.stage is Stage.PREFILL
+        self.trace.append(trace_row(
+            work.stage.value, n, padded=c.padded, tokens=c.tokens, context=c.context, seconds=t,
+            score_reads=int(work.stage is Stage.CORE), prompt_tokens=c.tokens if prefill else c.prompt_tokens,
+            chunks=n if prefill else len(work.chunks),
+            # what work.py counts: causal prefix rows of the prompt positions, head rows of final chunks
+            context_pairs=(c.context_sq + c.tokens) // 2 if prefill else 0, prompt_pairs=c.prompt_pairs,
+            finals=c.finals, r_max=work.r_max or self.cfg.r_max,
+            # the launch's cost that the prompts add (weights are paid by the decode items anyway)
+            prompt_seconds=(t - self.cost(c.without_prompts()) if n else t) if work.chunks else None))
         if work.stage.emits:
             self._stamp(seqs + work.finals if work.finals else seqs)
         if work.stage is Stage.PRELUDE:
@@ -161,18 +166,18 @@ class SimRunner:
     def _spec(self, work: Work) -> SpecOut:
         """A speculative stage on the clock: the launches of the plan the model runner runs
         (infer/engine/spec_plan.py), each priced as a decode launch of its items (unpadded, the
-        eager path's SDPA gather to the longest context), and the outcome: every chunk position
+        eager path's SDPA gather to the longest context), and the outcome: every window position
         exits at its recorded depth, and a draft whose predecessors were accepted is accepted with
         probability `acceptance` (LLMEngine.speculative_metrics' draft_accept_prob), independently
         of its depth (in the engine the draft of a position that exits within the draft depth is
         always right; the rate here is an overall one, as measured on a checkpoint)."""
         bs, seqs = self.blocks.block_size, work.seqs
         plan = SpecPlan(work.spec, work.draft_depth, [s.num_tokens - 1 for s in seqs])
-        exit_at = []  # each chunk position's recorded depth, clamped to its policy's range
+        exit_at = []  # each window position's recorded depth, clamped to its policy's range
         for b, j in zip(plan.owner, plan.index):
             p = seqs[b].policy
             exit_at.append(max(p.r_min, min(p.r_max, self.depths_at(seqs[b], len(seqs[b].output_ids) + j))))
-        rows: list[dict] = []
+        rows: list[TraceRow] = []
         launches = {"draft": 0, "verify": 0}
         for launch in plan:
             idx = launch.items

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from infer.engine.config import EngineConfig
+from infer.engine.trace import TraceRow
 
 from . import bounds as B
 from . import replay as RP
@@ -39,7 +40,7 @@ def prefix_cache(after: dict, before: dict | None = None) -> dict:
     return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0}
 
 
-def raw_from(mode: dict, trace: list[dict], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
+def raw_from(mode: dict, trace: list[TraceRow], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
              prefix_cache: dict | None = None, work: dict | None = None, speculative: dict | None = None) -> dict:
     """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
     `config` is the engine's resolved config, `work` the run's exact work counts (work.py),

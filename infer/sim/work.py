@@ -20,6 +20,7 @@ mode's compute (`flops`) and weight traffic (`weight_bytes`) by CB's.
 """
 from __future__ import annotations
 
+from infer.engine.trace import TraceRow
 from looplm.config import LoopConfig
 
 from . import bounds as B
@@ -27,7 +28,7 @@ from . import bounds as B
 STAGES = ("prefill", "prelude", "core", "coda", "fused")
 
 
-def work_counts(trace: list[dict], cfg: LoopConfig, dtype_bytes: int) -> dict:
+def work_counts(trace: list[TraceRow], cfg: LoopConfig, dtype_bytes: int) -> dict:
     """The `work` block of one run's trace (rows of LLMEngine._record or the simulator's)."""
     P = B.stage_params(cfg)
     head = cfg.hidden_size * cfg.vocab_size  # (inside P["coda"]; only head rows meet it)
