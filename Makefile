@@ -5,6 +5,9 @@ PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
+# test files run in parallel, one whole file per worker (a module's servers and Ray cluster start
+# once); `make test TEST_WORKERS=0` runs them in this process, TEST_WORKERS=auto one per core
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
@@ -25,7 +28,7 @@ demo: install
 	$(BIN)/python -m scripts.demo $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest tests $(ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
