@@ -172,3 +172,39 @@ def test_usage_only_when_asked_and_once(served, path, body):
     if "seed" not in body:  # greedy: the stream is the non-streamed response
         assert last["usage"] == whole["usage"]
         assert token_ids(evs) == token_ids(plain) == whole["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 7, "temperature": 0, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": [PROMPT, "Hello"], "n": 2, "max_tokens": 4, "temperature": 0.8, "seed": 1,
+                         "ignore_eos": True}),
+], ids=["chat", "completions-4-choices"])
+def test_continuous_usage_stats_on_every_chunk(served, path, body):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (the
+    prompt tokens, and the tokens sent up to and including that chunk), then the final usage chunk."""
+    url = served[0].url
+    evs = events(url, path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *chunks, last = evs
+    assert last["choices"] == [] and all(e["choices"] for e in chunks)
+    sent = 0
+    for e in chunks:
+        sent += sum(len(c.get("token_ids", [])) for c in e["choices"])
+        u = e["usage"]
+        assert u["prompt_tokens"] == last["usage"]["prompt_tokens"] and u["completion_tokens"] == sent
+        assert u["total_tokens"] == u["prompt_tokens"] + sent
+    assert sent == last["usage"]["completion_tokens"] > 0
+    # without include_usage it changes nothing (vLLM needs both)
+    assert all("usage" not in e for e in events(url, path, {**body, "stream_options": {"continuous_usage_stats": True}}))
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})], ids=["chat", "completions"])
+def test_max_completion_tokens_wins_over_max_tokens(served, path, body):
+    url = served[0].url
+    body = {**body, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + path, json={**body, "max_tokens": 5, "max_completion_tokens": 3}, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 3, r
+    r = httpx.post(url + path, json={**body, "max_tokens": 5}, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 5
+    r = httpx.post(url + path, json={**body, "max_tokens": 2, "max_completion_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"

@@ -58,6 +58,7 @@ class GenRequest:
     echo: bool = False  # completions: the prompt (text and log-probs) before the output
     top_logprobs: int = 0  # alternatives per position (completions: logprobs=k; chat: top_logprobs=k)
     echo_depth: str = "full"  # echo log-probs: "full" = full-depth prefill, "policy" = teacher-forced
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
 
     @property
     def num_choices(self) -> int:
@@ -123,12 +124,13 @@ def token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
 def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
     """The shared sampling fields (OpenAI's, vLLM's top_k / stop_token_ids / ignore_eos, and ours)."""
     max_tokens = get(body, "max_tokens", "integer")
-    if max_tokens is None and "max_completion_tokens" in body:
-        max_tokens = get(body, "max_completion_tokens", "integer")
-        if max_tokens is not None and max_tokens < 1:
-            raise bad("max_completion_tokens", f"'max_completion_tokens' must be at least 1, got {max_tokens}")
     if max_tokens is not None and max_tokens < (0 if body.get("echo") is True else 1):
         raise bad("max_tokens", f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}")
+    completion = get(body, "max_completion_tokens", "integer")
+    if completion is not None:  # OpenAI's newer name wins when both are sent, as in vLLM
+        if completion < 1:
+            raise bad("max_completion_tokens", f"'max_completion_tokens' must be at least 1, got {completion}")
+        max_tokens = completion
     temperature = get(body, "temperature", "number", 1.0)
     if temperature < 0:
         raise bad("temperature", f"'temperature' must be >= 0, got {temperature}")
@@ -185,16 +187,19 @@ def _n(body: dict, prompts: int) -> int:
     return n
 
 
-def _common(body: dict) -> tuple[str | None, bool, bool]:
+def _common(body: dict) -> tuple[str | None, bool, bool, bool]:
+    """model, stream, and stream_options' include_usage and continuous_usage_stats (vLLM's: the
+    running usage on every chunk; it needs include_usage, as in vLLM)."""
     model = get(body, "model", "string")
     stream = get(body, "stream", "boolean", False)
     opts = get(body, "stream_options", "object")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not stream:
             raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
         include_usage = bool(get(opts, "include_usage", "boolean", False))
-    return model, stream, include_usage
+        continuous = include_usage and bool(get(opts, "continuous_usage_stats", "boolean", False))
+    return model, stream, include_usage, continuous
 
 
 def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth: str = "full") -> GenRequest:
@@ -203,7 +208,7 @@ def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth
     `echo_logprobs_depth: "policy"` (or the server's --echo-logprobs-depth policy) teacher-forces
     the prompt instead: token 1 from the prefill of token 0, every later one decoded through the
     exit policy, so loglikelihood tasks sent as one prompt show the policy's effect."""
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, continuous = _common(body)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "'prompt' is required")
     p = body["prompt"]
@@ -241,7 +246,8 @@ def parse_completion(body: dict, vocab_size: int, r_max: int, default_echo_depth
     sampling["logprobs"] = lp is not None
     sampling["top_logprobs"] = lp or 0
     return GenRequest("completion", prompts[0], None, sampling, given, stream, include_usage, lp is not None, model,
-                      prompts=prompts, n=n, echo=echo, top_logprobs=lp or 0, echo_depth=echo_depth)
+                      prompts=prompts, n=n, echo=echo, top_logprobs=lp or 0, echo_depth=echo_depth,
+                      continuous_usage=continuous)
 
 
 def _content(v: Any, where: str) -> str:
@@ -258,7 +264,7 @@ def _content(v: Any, where: str) -> str:
 
 
 def parse_chat(body: dict, vocab_size: int, r_max: int) -> GenRequest:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, continuous = _common(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty array of {role, content} objects")
@@ -291,7 +297,8 @@ def parse_chat(body: dict, vocab_size: int, r_max: int) -> GenRequest:
     sampling, given = _sampling(body, vocab_size, r_max)
     sampling["logprobs"] = lp
     sampling["top_logprobs"] = top
-    return GenRequest("chat", None, clean, sampling, given, stream, include_usage, lp, model, n=n, top_logprobs=top)
+    return GenRequest("chat", None, clean, sampling, given, stream, include_usage, lp, model, n=n, top_logprobs=top,
+                      continuous_usage=continuous)
 
 
 def render_chat(messages: list[dict], tokenizer) -> str:

@@ -199,7 +199,8 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
         """SSE chunks of every choice as they come (each chunk names its choice `index`), as vLLM sends
         them: chat's `delta: {"role": "assistant"}` chunk of a choice goes out with its first token
         (clients time TTFT at the first chunk); usage only with `stream_options.include_usage`, then
-        `usage: null` on every chunk and one final `choices: []` chunk with the usage."""
+        `usage: null` on every chunk (the usage so far with `continuous_usage_stats`) and one final
+        `choices: []` chunk with the usage."""
         depths: list[list[int]] = [[] for _ in streams]
         offsets = [0] * len(streams)
         started = [False] * len(streams)
@@ -224,11 +225,15 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
                     failed = True
                     break
                 out = ""
+                if req.continuous_usage:
+                    extra = {"usage": usage(prompt_tokens, depths)}
                 if req.kind == "chat" and not started[i]:
                     out = sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **extra})
                 started[i] = True
                 depths[i] += d.exit_depths
+                if req.continuous_usage:
+                    extra = {"usage": usage(prompt_tokens, depths)}
                 chunk = {**head, "choices": [choice(req.kind, d, stream=True, offset=offsets[i], index=i,
                                                      k=req.top_logprobs)], **extra}
                 offsets[i] += len(d.text)
