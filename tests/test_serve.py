@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -112,6 +113,46 @@ def test_models_health_metrics(served, client):
     for key in ("cdb_num_requests_running", "cdb_num_requests_waiting", "cdb_kv_cache_usage_perc",
                 'cdb_queue_length{stage="core"}', "cdb_generation_tokens_per_second", "cdb_mean_exit_depth"):
         assert key in m, key
+
+
+def test_metrics_has_vllms_request_histograms(model_dir):
+    """vLLM's request histograms under vLLM's names, read with prometheus_client's parser (what
+    Prometheus scrapers use): one observation per request (inter-token: per interval), sums equal
+    to the requests' token counts, buckets cumulative up to +Inf. One slot, so later requests queue."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv, aeng = start(model_dir, max_batch_size=1)
+    lens, outs = [3, 5, 8, 13], [2, 4, 6, 3]
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda a: c.completions.create(model=NAME, prompt=list(range(1, a[0] + 1)), max_tokens=a[1],
+                                                       extra_body={"ignore_eos": True}), zip(lens, outs)))
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    finally:
+        srv.stop()
+
+    def hist(name: str) -> tuple[list[tuple[float, float]], float, float]:
+        f = fams[name]
+        assert f.type == "histogram", (name, f.type)
+        assert all(x.labels["model_name"] == NAME for x in f.samples)
+        b = [(float(x.labels["le"]), x.value) for x in f.samples if x.name == name + "_bucket"]
+        total = next(x.value for x in f.samples if x.name == name + "_count")
+        assert [v for _, v in b] == sorted(v for _, v in b) and b[-1] == (float("inf"), total)
+        return b, next(x.value for x in f.samples if x.name == name + "_sum"), total
+
+    secs = {}
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        _, secs[name], n = hist("vllm:" + name)
+        assert n == 4 and secs[name] >= 0
+    assert secs["request_queue_time_seconds"] <= secs["time_to_first_token_seconds"] \
+        <= secs["e2e_request_latency_seconds"]
+    for name in ("time_per_output_token_seconds", "inter_token_latency_seconds"):
+        assert hist("vllm:" + name)[2] == sum(o - 1 for o in outs)
+    buckets, total, n = hist("vllm:request_prompt_tokens")
+    assert (total, n) == (sum(lens), 4) and dict(buckets)[5.0] == 2 and dict(buckets)[10.0] == 3
+    assert hist("vllm:request_generation_tokens")[1:] == (sum(outs), 4)
+    assert fams["cdb_prompt_tokens"].type == "counter"  # (the parser drops _total) the cdb_ series parse too
 
 
 def test_completion_matches_offline_engine(model_dir, client):

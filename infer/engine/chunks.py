@@ -37,6 +37,7 @@ cached rows at its own loop step, as a later chunk of the same prompt would.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable
 
@@ -100,6 +101,8 @@ class ChunkQueues:
                 if self.caching and s.params.prompt_logprobs is None:
                     self.counters["prefix_cache_queries"] += len(s.prompt_ids)
                     self.counters["prefix_cache_hits"] += s.prefilled
+                if s.scheduled_time is None:
+                    s.scheduled_time = time.perf_counter()
                 waiting.popleft()
             else:
                 self.partial.popleft()

@@ -33,6 +33,7 @@ who exits after step t+1.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -250,6 +251,8 @@ class Scheduler:
                 break  # FIFO: the head waits for memory, nobody overtakes it
             seq.blocks, seq.slot = self.blocks.allocate(need)
             seq.fit_blocks(self.blocks.block_size)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
             batch.append(self.waiting.popleft())
             tokens += n
         self.changed += batch

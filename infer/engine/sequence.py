@@ -87,6 +87,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: digests of full prompt blocks
     chunk: tuple[int, int] | None = None  # mixed prefill: the prompt positions [start, end) in flight
     step_scored: int = 0  # pipelined core: steps whose exit score the tracker has seen
+    scheduled_time: float | None = None  # when it first left the waiting queue (vLLM's queue time ends)
     # the current token's exit decision (made at its first prelude, reset per token); a caller may
     # bring its own (a replay forcing recorded depths: LLMEngine.add_request(tracker=))
     tracker: ExitTracker | None = None
@@ -146,7 +147,7 @@ OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
                               "text_prompt", "forced", "stop_ids", "max_out", "extras", "sampled")),
     "scheduler": (frozenset({"infer/engine/scheduler.py", "infer/engine/chunks.py", "infer/engine/preemption.py"}),
                   ("stage", "finish_reason", "blocks", "room", "slot", "step", "prefilled", "block_hashes", "chunk", "step_scored",
-                   "tracker")),
+                   "tracker", "scheduled_time")),
     "output": (frozenset({"infer/engine/output.py"}),
                ("output_ids", "exit_depths", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
                 "text", "stop_checked", "first_token_time", "finish_time", "token_times",

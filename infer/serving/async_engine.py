@@ -26,6 +26,7 @@ from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams, check_prompt, context_exceeded
 from infer.engine.sequence import Sequence
 
+from .histograms import RequestHistograms
 from .protocol import APIError, end_of_turn_ids, render_chat
 
 log = logging.getLogger("infer.serve")
@@ -116,6 +117,8 @@ class AsyncEngine:
         self.counters = {"requests_finished": {}, "requests_failed": 0, "requests_rejected": 0, "requests_aborted": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "step_errors": 0}
         self.snapshot: dict = {}
+        self.histograms = RequestHistograms(engine.max_model_len)  # vLLM's request histograms
+        self._hists = self.histograms.copy()
         self._rate: deque = deque()  # (time, generated tokens so far)
         self._publish_snapshot()
 
@@ -303,13 +306,13 @@ class AsyncEngine:
                 self.engine.abort(s.request_id)
                 d = Delta([], [], error=f"internal error while processing the request: {type(e).__name__}: {e}")
             if d.done:
-                self._finish(s.request_id, d)
+                self._finish(s.request_id, d, s)
             items.append((s.request_id, d))
         if items:
             self.loop.call_soon_threadsafe(self._deliver, items)
         self._publish_snapshot()
 
-    def _finish(self, rid: str, d: Delta) -> None:
+    def _finish(self, rid: str, d: Delta, s: Sequence | None = None) -> None:
         self.engine.release(rid)
         self._pub.pop(rid, None)
         if d.error is not None:
@@ -317,6 +320,9 @@ class AsyncEngine:
         else:
             fr = self.counters["requests_finished"]
             fr[d.finish_reason] = fr.get(d.finish_reason, 0) + 1
+            if s is not None:  # (the copy is what /metrics reads, on the event loop)
+                self.histograms.observe(s)
+                self._hists = self.histograms.copy()
 
     def _fail_running(self, message: str) -> None:
         """After a failed step the batch's state is unknown: fail every request that had started."""
@@ -379,6 +385,6 @@ class AsyncEngine:
             **m, "waiting": m["queues"]["waiting"] + sum(c[0] == "add" for c in list(self._cmds)),
             "tokens_per_s": (gen - g0) / (now - t0) if now > t0 else 0.0,
             "counters": {**self.counters, "requests_finished": dict(self.counters["requests_finished"])},
-            "engine_keys": list(m),
+            "engine_keys": list(m), "histograms": self._hists,
             "time": now}
 

@@ -1,9 +1,11 @@
-"""/metrics: the Prometheus text exposition of the engine snapshot (vLLM-style names, `cdb_` prefix)."""
+"""/metrics: the Prometheus text exposition of the engine snapshot (vLLM-style names, `cdb_` prefix;
+vLLM's request histograms under vLLM's own names, histograms.py)."""
 from __future__ import annotations
 
 import os
 
 from .async_engine import AsyncEngine
+from .histograms import render as render_histograms
 
 
 def _rss_bytes() -> int:
@@ -68,4 +70,6 @@ def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
         for labels, v in samples:
             out.append(f"{name}{{{lab}{',' + labels if labels else ''}}} {float(v):.9g}")
+    if "histograms" in s:  # vLLM's request histograms, under vLLM's names (histograms.py)
+        out += render_histograms(s["histograms"], lab)
     return "\n".join(out) + "\n"
