@@ -192,9 +192,38 @@ def save_pretrained(model: LoopedLM, out_dir: str | os.PathLike, dtype: str | to
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+        portable_tokenizer_config(out)
     if cfg.lookahead_gate or cfg.preloop_gate:
         save_gates(model, out)
     return out
+
+
+def portable_tokenizer_config(folder: str | os.PathLike) -> bool:
+    """Rewrite `folder`'s tokenizer_config.json in the spelling transformers 4.4x-4.5x and 5.x both
+    load; True if it changed. transformers 5 writes its own class name ("TokenizersBackend") and a
+    list under "extra_special_tokens"; 4.x (4.51 is what vLLM 0.8.5 pins) fails on the first ("does
+    not exist") and then on the second ('list' object has no attribute 'keys'). The same tokenizer
+    named PreTrainedTokenizerFast, with the list as additional_special_tokens and the chat template
+    inline, loads in both and gives identical ids (docs/results/serving.md, tests/test_tokenizer_compat.py)."""
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.exists():
+        return False
+    cfg = json.loads(path.read_text())
+    new = dict(cfg)
+    extra = new.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        new["additional_special_tokens"] = list(dict.fromkeys([*(new.get("additional_special_tokens") or []), *extra]))
+    elif extra:  # a {name: token} map: both versions read it
+        new["extra_special_tokens"] = extra
+    if new.get("tokenizer_class") == "TokenizersBackend":
+        new["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = Path(folder) / "chat_template.jinja"
+    if "chat_template" not in new and template.exists():
+        new["chat_template"] = template.read_text()
+    if new == cfg:
+        return False
+    path.write_text(json.dumps(new, indent=2, ensure_ascii=False) + "\n")
+    return True
 
 
 def load_tokenizer(path: str | os.PathLike):

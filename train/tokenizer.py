@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from looplm.io import portable_tokenizer_config
 from train.data import read_documents
 
 EOS = "<|endoftext|>"
@@ -58,14 +59,7 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     fast.chat_template = CHAT_TEMPLATE
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
-    # transformers 5 writes a v5-only class name and a list under "extra_special_tokens", which
-    # 4.x cannot load; both versions read this spelling (and 4.x wants the template inline).
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("extra_special_tokens", None)
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE,
-               additional_special_tokens=[IM_START, IM_END])
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    portable_tokenizer_config(out)  # (transformers 5's own spelling does not load in 4.x)
     (out / "special_tokens_map.json").write_text(json.dumps({
         "bos_token": EOS, "eos_token": EOS, "pad_token": EOS,
         "additional_special_tokens": [IM_START, IM_END]}, indent=2) + "\n")
