@@ -210,7 +210,7 @@ def test_aggregate_metrics_sums_counters_and_weights_depth():
     hs = []
     for ttft in (0.05, 0.3):
         h = RequestHistograms(64)
-        h.hists["vllm:time_to_first_token_seconds"].observe(ttft)
+        h.hists["ttft"].observe(ttft)
         hs.append("\n".join(render(h.copy(), 'model_name="m"')) + "\n")
     rows = dict(ln.rsplit(" ", 1) for ln in aggregate_metrics(hs).splitlines() if not ln.startswith("#"))
     name = "vllm:time_to_first_token_seconds"

@@ -45,53 +45,49 @@ class Histogram:
         return Histogram(self.bounds, list(self.counts), self.sum)
 
 
-# name -> help; the order /metrics shows them in
-HELP = {
-    "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
-    "vllm:time_per_output_token_seconds": "Histogram of time per output token in seconds.",
-    "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
-    "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
-    "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
-    "vllm:request_prompt_tokens": "Number of prefill tokens processed.",
-    "vllm:request_generation_tokens": "Number of generation tokens processed.",
+# name -> (help, the histogram it shows); the order /metrics shows them in. vLLM V1 observes every
+# inter-token interval under two names (the older and the newer), so two names show one histogram.
+NAMES = {
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", "ttft"),
+    "vllm:time_per_output_token_seconds": ("Histogram of time per output token in seconds.", "itl"),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", "itl"),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", "e2e"),
+    "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.", "queue"),
+    "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "prompt"),
+    "vllm:request_generation_tokens": ("Number of generation tokens processed.", "generation"),
 }
 
 
 class RequestHistograms:
     def __init__(self, max_model_len: int):
         tok = tokens_buckets(max_model_len)
-        itl = Histogram(TPOT_BUCKETS)  # vLLM V1 observes every inter-token interval under both names
-        self.hists = {"vllm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
-                      "vllm:time_per_output_token_seconds": itl, "vllm:inter_token_latency_seconds": itl,
-                      "vllm:e2e_request_latency_seconds": Histogram(LATENCY_BUCKETS),
-                      "vllm:request_queue_time_seconds": Histogram(LATENCY_BUCKETS),
-                      "vllm:request_prompt_tokens": Histogram(tok), "vllm:request_generation_tokens": Histogram(tok)}
+        self.hists = {"ttft": Histogram(TTFT_BUCKETS), "itl": Histogram(TPOT_BUCKETS),
+                      "e2e": Histogram(LATENCY_BUCKETS), "queue": Histogram(LATENCY_BUCKETS),
+                      "prompt": Histogram(tok), "generation": Histogram(tok)}
 
     def observe(self, s: Sequence) -> None:
         """A finished request (its times are the engine's perf_counter stamps)."""
         h = self.hists
         if s.first_token_time is not None:
-            h["vllm:time_to_first_token_seconds"].observe(s.first_token_time - s.arrival_time)
+            h["ttft"].observe(s.first_token_time - s.arrival_time)
         for a, b in zip(s.token_times, s.token_times[1:]):
-            h["vllm:time_per_output_token_seconds"].observe(b - a)
+            h["itl"].observe(b - a)
         if s.finish_time is not None:
-            h["vllm:e2e_request_latency_seconds"].observe(s.finish_time - s.arrival_time)
+            h["e2e"].observe(s.finish_time - s.arrival_time)
         if s.scheduled_time is not None:
-            h["vllm:request_queue_time_seconds"].observe(s.scheduled_time - s.arrival_time)
-        h["vllm:request_prompt_tokens"].observe(len(s.prompt_ids))
-        h["vllm:request_generation_tokens"].observe(len(s.output_ids))
+            h["queue"].observe(s.scheduled_time - s.arrival_time)
+        h["prompt"].observe(len(s.prompt_ids))
+        h["generation"].observe(len(s.output_ids))
 
     def copy(self) -> dict[str, Histogram]:
-        itl = self.hists["vllm:time_per_output_token_seconds"].copy()
-        return {k: itl if v is self.hists["vllm:time_per_output_token_seconds"] else v.copy()
-                for k, v in self.hists.items()}
+        return {k: v.copy() for k, v in self.hists.items()}
 
 
 def render(hists: dict[str, Histogram], lab: str) -> list[str]:
     """Prometheus text lines (cumulative buckets, _sum, _count) with the label set `lab`."""
     out = []
-    for name, help_ in HELP.items():
-        h = hists[name]
+    for name, (help_, key) in NAMES.items():
+        h = hists[key]
         out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
         total = 0
         for le, n in zip([*(str(float(b)) for b in h.bounds), "+Inf"], h.counts):
