@@ -38,15 +38,13 @@ class SwapOp:
 
 
 class Preemption:
-    def __init__(self, blocks: BlockManager, queues: dict[Stage, list[Sequence]], swap_blocks: int,
-                 keep_free: Callable[[int], int], read_pending: Callable[[], None]):
+    def __init__(self, blocks: BlockManager, queues: dict[Stage, list[Sequence]], swap_blocks: int):
         """`queues`: the scheduler's decode queue of each stage (changed in place only, so these are
-        the scheduler's own lists); `swap_blocks`: the host budget, in blocks; `keep_free`: the
-        blocks admission leaves free (Scheduler._keep_free); `read_pending`: reads the exit scores
-        of the core step in flight (the lookahead pipeline) before a core item leaves."""
+        the scheduler's own lists); `swap_blocks`: the host budget, in blocks. The scheduler's
+        callbacks come with each call, not kept: kept, they would make scheduler and preemption a
+        reference cycle, and a dropped engine's KV pool would wait for the cyclic GC."""
         self.blocks, self.queues, self.swap_blocks = blocks, queues, swap_blocks
         self.prelude_q = queues[Stage.PRELUDE]
-        self.keep_free, self.read_pending = keep_free, read_pending
         self.swapped: list[tuple[Sequence, Stage, int]] = []  # (seq, queue to return to, blocks), by seq_id
         self.stalled: list[Sequence] = []  # decode tokens waiting for a block (swap space full)
         self.ops: list[SwapOp] = []  # for the engine to run before the next stage
@@ -77,9 +75,11 @@ class Preemption:
                 self.ops.append(SwapOp("drop", seq, [], -1))
                 return
 
-    def grow(self, s: Sequence) -> bool:
+    def grow(self, s: Sequence, read_pending: Callable[[], None]) -> bool:
         """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
-        recently admitted running sequences (possibly `s` itself) until one is free. True: `s`
+        recently admitted running sequences (possibly `s` itself) until one is free (`read_pending`:
+        reads the exit scores of the core step in flight, the lookahead pipeline, before a core item
+        leaves: Scheduler._read_pending). True: `s`
         grew (Work.grown); False: it stalled or was swapped out."""
         while not self.blocks.grow(s.blocks, s.num_tokens):  # the rows of positions 0..position
             victim = max(self.holders(), key=_seq_id)
@@ -93,16 +93,16 @@ class Preemption:
                     s.stage = Stage.STALLED
                     return False
                 self.counters["swap_overcommits"] += 1  # nothing else could run: never deadlock
-            self.swap_out(victim)
+            self.swap_out(victim, read_pending)
             if victim is s:
                 return False
         s.fit_blocks(self.blocks.block_size)
         return True
 
-    def swap_out(self, s: Sequence) -> None:
+    def swap_out(self, s: Sequence, read_pending: Callable[[], None]) -> None:
         stage = s.stage
         if stage is Stage.CORE:
-            self.read_pending()  # read its in-flight exit score now, while it is a core item
+            read_pending()  # read its in-flight exit score now, while it is a core item
         if stage is Stage.STALLED:
             self.stalled.remove(s)
             stage = Stage.PRELUDE
@@ -116,10 +116,11 @@ class Preemption:
         self.counters["swapped_out_blocks"] += len(s.blocks)
         s.blocks, s.slot, s.stage = [], -1, Stage.SWAPPED
 
-    def resume(self) -> list[Sequence]:
+    def resume(self, keep_free: Callable[[int], int]) -> list[Sequence]:
         """Before scheduling: stalled sequences take freed blocks, then swapped ones come back,
         oldest first (FIFO; new admissions wait until none is swapped). Returns the sequences that
-        got blocks and a slot back (Work.changed)."""
+        got blocks and a slot back (Work.changed). `keep_free`: the blocks admission leaves free
+        (Scheduler._keep_free)."""
         back: list[Sequence] = []
         for s in list(self.stalled):
             if not self.blocks.grow(s.blocks, s.position + 1):
@@ -131,7 +132,7 @@ class Preemption:
             back.append(s)
         while self.swapped and not self.stalled:
             s, stage, n = self.swapped[0]
-            if not self.blocks.can_allocate(s.position + 1, self.keep_free(0)):
+            if not self.blocks.can_allocate(s.position + 1, keep_free(0)):
                 break
             s.blocks, s.slot = self.blocks.allocate(s.position + 1)
             s.fit_blocks(self.blocks.block_size)

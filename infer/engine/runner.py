@@ -19,6 +19,8 @@ device still runs this one (the lookahead pipeline).
 """
 from __future__ import annotations
 
+import weakref
+from functools import partial
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -111,20 +113,27 @@ class ModelRunner:
         self.aux = initial_aux(self.rule, S, self.cfg.vocab_size, self.device)
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
-        self.graphs = GraphCache(self) if cuda_graphs else None
+        # (no reference cycle anywhere in the runner: the graph cache holds a weak proxy of it, the stage
+        # tables below are of method names and BatchState gets a plain function, so a dropped engine
+        # frees its KV pool at once, not at the cyclic GC's next pass; tests/test_gpu_discipline.py)
+        self.graphs = GraphCache(weakref.proxy(self)) if cuda_graphs else None
         # the per-slot decode metadata (positions, loop steps, block tables) and the upload
         self.batch_state = bs = BatchState(S, blocks.block_size, self.cfg.max_position, blocks.num_blocks,
-                                           self.layout.scratch_row, self.padded, self.device)
+                                           self.layout.scratch_row,
+                                           partial(padded_batch, max_batch_size=max_batch_size, pad_pow2=pad_pow2),
+                                           self.device)
         self.step = bs.step  # the loop step of each slot (the bodies write it)
         self._t = bs.to_device
         # mixed prefill: the loop state of each prompt chunk in flight between its launches, and the
         # prompt logits of a prompt whose earlier chunks asked for them (by seq_id; mixed.py)
         self._chunk_state: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._prompt_logits: dict[int, torch.Tensor] = {}
-        self._bodies = {Stage.PRELUDE: self._prelude_body, Stage.CORE: self._core_body, Stage.CODA: self._coda_body,
-                        Stage.FUSED: self._fused_body}
-        self._stages = {Stage.PREFILL: self._prefill, Stage.PRELUDE: self._prelude, Stage.CORE: self._core,
-                        Stage.CODA: self._coda, Stage.FUSED: self._fused, Stage.SPEC: self._spec}
+
+    # each stage's body and launch, by method name (bound methods kept on self would be a reference cycle)
+    _BODIES = {Stage.PRELUDE: "_prelude_body", Stage.CORE: "_core_body", Stage.CODA: "_coda_body",
+               Stage.FUSED: "_fused_body"}
+    _STAGES = {Stage.PREFILL: "_prefill", Stage.PRELUDE: "_prelude", Stage.CORE: "_core", Stage.CODA: "_coda",
+               Stage.FUSED: "_fused", Stage.SPEC: "_spec"}
 
     device_info = None  # a real device (Runner.device_info)
     clock = None  # wall time is real (Runner.clock)
@@ -156,7 +165,7 @@ class ModelRunner:
         """One decode stage over a padded batch (`inp`: slots [N], + their tokens for a prelude or
         fused stage; `nb` context blocks), reading and writing only static buffers (so it can be
         captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
-        return self._bodies[stage](*self.batch_state.gather(stage, inp, nb), r_max)
+        return getattr(self, self._BODIES[stage])(*self.batch_state.gather(stage, inp, nb), r_max)
 
     # Each body runs a stage over the N decode items of `batch` (their slots: `slots`) and, in a
     # mixed launch, the prompt chunks after them (`chunks`, mixed.Chunks: their loop state in and
@@ -238,7 +247,7 @@ class ModelRunner:
         else:
             slots, batch = torch.zeros(0, dtype=torch.long, device=self.device), None
         chunks = mixed.Chunks(work, self.blocks.block_size, self._t, self._chunk_state, self.device)
-        return self._bodies[stage](slots, chunks.extend(batch, slots.shape[0]), work.r_max, chunks)
+        return getattr(self, self._BODIES[stage])(slots, chunks.extend(batch, slots.shape[0]), work.r_max, chunks)
 
     def run(self, work: Work) -> Emitted | PendingScores | None:
         if torch.is_inference_mode_enabled():  # the engine's loops already are (entering costs ~5 us a stage)
@@ -253,7 +262,7 @@ class ModelRunner:
             for s in work.released:
                 self._chunk_state.pop(s.seq_id, None)
                 self._prompt_logits.pop(s.seq_id, None)
-        return self._stages[work.stage](work)
+        return getattr(self, self._STAGES[work.stage])(work)
 
     def _prelude(self, work: Work) -> PendingScores | None:
         out = self._launch(work)

@@ -100,11 +100,7 @@ class Scheduler:
                                    cfg.reserve_kv, cfg.enable_prefix_caching) if cfg.prefill == "mixed" else None)
         # the prompt chunks waiting for each decode stage (empty under separate prefill: one ladder reads both)
         self.riding = self.chunks.at if self.chunks is not None else {s: [] for s in self.queues}
-        # the prefill step, the one point where the prefill modes differ (module docstring)
-        self._prefill = (self._prefill_launch if self.chunks is None else
-                         self._fused_chunks if cfg.policy == "cb" else self._prelude_chunks)
-        self.preemption = Preemption(blocks, self.queues, blocks.num_blocks if swap_blocks is None else swap_blocks,
-                                     self._keep_free, self._read_pending)
+        self.preemption = Preemption(blocks, self.queues, blocks.num_blocks if swap_blocks is None else swap_blocks)
         # preempted sequences (preemption.py's containers, changed in place only)
         self.swapped, self.stalled = self.preemption.swapped, self.preemption.stalled
         self.last_stage: Stage | None = None
@@ -161,7 +157,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- policy
     def schedule(self) -> Work | None:
-        back = self.preemption.resume()
+        back = self.preemption.resume(self._keep_free)
         if back:
             self.changed += back
         work = self._speculate() if self.cfg.speculative_tokens else None
@@ -236,6 +232,12 @@ class Scheduler:
         if max(ks) < 2:  # nothing to speculate (the blocks grown are none: every n is 1)
             return None
         return Work(Stage.SPEC, list(q), spec=ks, spec_blocks=held, draft_depth=c.draft_depth)
+
+    def _prefill(self) -> Work | None:
+        """The prefill step, the one point where the prefill modes differ (module docstring)."""
+        if self.chunks is None:
+            return self._prefill_launch()
+        return self._fused_chunks() if self.cfg.policy == "cb" else self._prelude_chunks()
 
     def _prefill_launch(self) -> Work | None:
         """Separate prefill's step: a prefill launch of the waiting prompts (FIFO) that fit."""
@@ -355,7 +357,7 @@ class Scheduler:
             if need:
                 need.sort(key=_seq_id)
                 for s in need:
-                    if s.slot >= 0 and self.preemption.grow(s):  # (slot < 0: preempted for an older one meanwhile)
+                    if s.slot >= 0 and self.preemption.grow(s, self._read_pending):  # (slot < 0: preempted for an older one meanwhile)
                         self.grown.append(s)
 
     @staticmethod
