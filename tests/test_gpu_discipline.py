@@ -1,20 +1,37 @@
 """The CUDA discipline, checked on CPU (issue 38): what a GPU run needs and a CPU run would not notice.
 
+Host syncs (infer/engine/host_syncs.py sees them from the ops, on any device): none inside any body a
+CUDA graph captures, for every stage x architecture x exit criterion x KV layout x SDPA / paged
+attention, and two batches at one graph key run the same ops on the same shapes and buffers; per
+stage kind, a core step at full depth and a mixed launch's upload make none, a stage that emits at
+most one (its sampled ids). Graph replay (graph_replay.py): the engine-vs-reference grid through a
+stand-in for CUDA graphs that traces each key once and poisons every output at the next replay.
+
 Lifetime: a dropped engine frees its KV pool at once. A reference cycle anywhere in it (a bound method
 kept on the object it is bound to, a child holding its parent) keeps the pool alive until the cyclic
 GC's next pass, which on a GPU means out of memory at the next engine of a benchmark, and later engines
 sized from what the earlier ones still hold. The tests turn the cyclic GC off, so only reference
 counting can free the pool.
 """
+import functools
 import gc
 import weakref
+from collections import Counter, defaultdict
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from infer import LLM, EngineConfig, LLMEngine, SamplingParams
+from infer.engine.host_syncs import HostSyncError, HostSyncs
+from infer.engine.runner import ModelRunner
+from infer.engine.sequence import Stage
+from looplm import tiny_model
 
-from helpers import ARCHS, engine_settings, model, random_requests
+import graph_replay
+from helpers import ARCHS, MODES_KBIG, engine_settings, grid, model, random_requests, reference, run_staggered, \
+    stable_seed
 
 
 def _pool_refs(eng: LLMEngine) -> list[weakref.ref]:
@@ -79,3 +96,262 @@ def test_a_dropped_llm_frees_its_pool_without_the_cyclic_gc():
         assert _dropped(refs) == []
     finally:
         gc.enable()
+
+
+# ---------------------------------------------------------------- host syncs
+DETECTED = {  # each kind of host sync the detector must see: (what, the op)
+    "tolist": ("read", lambda x: x.tolist()),
+    "item": ("read", lambda x: x[0].item()),
+    "bool": ("read", lambda x: bool(x[0])),
+    "int": ("read", lambda x: int(x[1])),
+    "float": ("read", lambda x: float(x[1])),
+    "equal": ("read", lambda x: torch.equal(x, x)),
+    "index a list": ("read", lambda x: [1, 2, 3][x[1]]),
+    "cpu": ("read", lambda x: x.cpu()),
+    "nonzero": ("dynamic", lambda x: x.nonzero()),
+    "where(cond)": ("dynamic", lambda x: torch.where(x > 1)),
+    "boolean mask": ("dynamic", lambda x: x[x > 1]),
+    "masked_select": ("dynamic", lambda x: x.masked_select(x > 1)),
+    "unique": ("dynamic", lambda x: x.unique()),
+    "repeat_interleave": ("dynamic", lambda x: x.repeat_interleave(x)),
+    "torch.tensor": ("host_tensor", lambda x: torch.tensor([1, 2])),
+    "to(device)": ("transfer", lambda x: x.to("cpu")),
+}
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+@pytest.mark.parametrize("name", sorted(DETECTED))
+def test_the_detector_sees_every_kind_of_host_sync(name, inference):
+    """(Under inference mode, where the engine runs, bool and item dispatch other ops than with autograd.)"""
+    kind, op = DETECTED[name]
+    with torch.inference_mode(inference):
+        _detects(kind, op)
+
+
+def _detects(kind, op):
+    x = torch.arange(4)
+    with HostSyncs() as h:
+        op(x)
+    assert h.counts()[kind] >= 1, h.events
+    with pytest.raises(HostSyncError, match=kind), HostSyncs(strict=True):
+        op(x)
+    with HostSyncs() as h:  # device-side work alone records nothing
+        (x * 2 + 1).index_copy_(0, x[:2], x[2:]).sum()
+        torch.where(x > 1, x, 0)
+        x.repeat_interleave(2)
+    assert h.events == []
+
+
+def _syncs_per_stage(eng: LLMEngine, reqs, **params) -> tuple[dict, Counter]:
+    """Run `reqs` and return the host syncs of each engine step by (stage, with prompt chunks), and
+    how many steps of each ran. A step runs one stage: its scheduling, launch and postprocess."""
+    per, calls, this = defaultdict(Counter), Counter(), []
+    eng.on_launch.append(lambda w, dt: this.append((w.stage.value, bool(w.chunks))) if dt is None else None)
+    for p, n in reqs:
+        eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, **params))
+    while eng.has_unfinished():
+        this.clear()
+        with HostSyncs() as h:
+            eng.step()
+        if this:
+            calls[this[0]] += 1
+            per[this[0]].update(h.events)
+    return per, calls
+
+
+SYNC_SETTINGS = {  # name: (engine settings, request params, model extras)
+    "full-depth": (dict(engine_settings("refill_k1", "last_exited", False), full_depth=True), {}),
+    "adaptive": (engine_settings("refill_k1", "last_exited", False), {}),
+    "lookahead-pipeline": (engine_settings("norefill", "shared", True), {}),
+    "cb": (engine_settings("cb", "shared", False), {}),
+    "separate-prefill": (dict(engine_settings("refill_k1", "last_exited", False), prefill="separate"), {}),
+    "chunked": (dict(engine_settings("refill_k1", "last_exited", False), max_prefill_tokens=8, chunked_prefill=True),
+                {}),
+    "preloop": (dict(kv_layout="last_exited", exit_criterion="preloop", exit_threshold=0.5), {}),
+    "sampled": (engine_settings("refill_k1", "last_exited", False), dict(temperature=0.8, top_k=20)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def gated(arch):
+    """A tiny float64 model with both distilled heads (as tests/test_gates.py's)."""
+    extra = {"exit_gate": True} if arch == "huginn-tiny" else {}
+    teacher = "ouro_gate" if arch == "ouro-tiny" else "learned"
+    return tiny_model(arch, dtype=torch.float64, std=0.15, seed=3, lookahead_gate=True, preloop_gate=True,
+                      gate_teacher=teacher, **extra)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(SYNC_SETTINGS))
+def test_host_syncs_per_stage_kind(arch, name):
+    """0 per prelude (preloop: its one read of the depth CDFs), 0 per core step at full depth or under
+    preloop (1 otherwise: its exit scores), at most 1 per stage that emits (its sampled ids), with or
+    without prompt chunks riding along; never a data-dependent shape, a host-made tensor or a
+    transfer outside the one upload. Fails on the old code: 4 x 12 reads at full depth (scores read
+    and never used), a pageable torch.tensor per mixed coda, a boolean mask and host tensors per
+    prefill. (Not covered: speculation, which runs eagerly and reads per step; a seeded request's own
+    generator, which draws on the host row by row; log-probs, one read per row that asks.)"""
+    settings, params = SYNC_SETTINGS[name]
+    m = gated(arch) if name == "preloop" else model(arch)
+    eng = LLMEngine(m, EngineConfig(kv_cache_tokens=512, max_batch_size=4, **settings))
+    per, calls = _syncs_per_stage(eng, random_requests(stable_seed("syncs", arch, name), n=5, prompt_len=(2, 20),
+                                                       max_new=(2, 8)), **params)
+    full = name in ("full-depth", "cb") or name == "preloop"
+    budget = {"prelude": int(name == "preloop"), "core": 0 if full else 1, "coda": 1, "fused": 1, "prefill": 1}
+    for (stage, chunked), events in per.items():
+        assert set(k for k, _ in events) <= {"read"}, (stage, chunked, events)
+        reads = sum(events.values())
+        assert reads <= budget[stage] * calls[stage, chunked], (stage, chunked, calls[stage, chunked], events)
+    if name == "chunked":
+        assert any(chunked for _, chunked in calls), "no launch carried prompt chunks"
+    if name == "full-depth":
+        assert calls["core", False] >= 8 and not per["core", False]
+
+
+# ---------------------------------------------------------------- capture safety
+class _Trace(TorchDispatchMode):
+    """The ops of one body: (op, each tensor argument's shape and dtype and which persistent buffer it
+    lives in, if any). Two batches at one graph key must give the same trace."""
+    supports_higher_order_operators = True
+
+    def __init__(self, buffers: dict[int, str]):
+        super().__init__()
+        self.buffers, self.ops = buffers, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        desc = tuple((tuple(t.shape), t.dtype, self.buffers.get(t.untyped_storage().data_ptr()))
+                     for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        self.ops.append((str(func), desc))
+        return func(*args, **(kwargs or {}))
+
+
+def _persistent(r: ModelRunner) -> dict[int, str]:
+    """The storages a captured graph may read and write, by name: loop state, criterion memory,
+    per-slot metadata, the inverse page table, the KV pool, the weights."""
+    named = {"state": r.state, "inj": r.inj, "aux": r.aux, "slot metadata": r.batch_state._flat,
+             "page index": r.batch_state.page_index,
+             **{f"kv.{k}": v for k, v in vars(r.layout).items() if isinstance(v, torch.Tensor)},
+             **{f"param.{k}": v for k, v in r.model.named_parameters()}}
+    for k, v in vars(r.layout).items():  # layouts keep their caches in lists too
+        if isinstance(v, (list, tuple)):
+            named.update({f"kv.{k}.{i}": t for i, t in enumerate(v) if isinstance(t, torch.Tensor)})
+    return {t.untyped_storage().data_ptr(): n for n, t in named.items() if t is not None}
+
+
+CRITERIA = ["ouro_gate", "learned", "lookahead_gate", "preloop", "kl", "latent_diff", "entropy_diff", "none"]
+THRESHOLDS = {"ouro_gate": 0.55, "learned": 0.55, "lookahead_gate": 0.55, "preloop": 0.5, "kl": 1e-2,
+              "latent_diff": 0.3, "entropy_diff": 1e-2}
+CAPTURE_LAYOUTS = ("last_exited", "shared", "first_then_shared")
+# every arch x criterion x layout through the SDPA gather; paged attention (eager FlexAttention, ~4x
+# slower on CPU) for every arch x criterion on one layout each, in turn
+CAPTURE_CASES = [(a, c, lay, False) for a in ARCHS for c in CRITERIA for lay in CAPTURE_LAYOUTS] + \
+                [(a, c, CAPTURE_LAYOUTS[i % 3], True) for a in ARCHS for i, c in enumerate(CRITERIA)] + \
+                [(a, "none", "full_depth", paged) for a in ARCHS for paged in (False, True)] + \
+                [(a, "cb", lay, paged) for a in ARCHS for paged in (False, True) for lay in ("last_exited", "shared")]
+
+
+@pytest.mark.parametrize("arch,criterion,layout,paged", CAPTURE_CASES)
+def test_captured_bodies_are_capture_safe_and_static(arch, criterion, layout, paged):
+    """Every decode body a CUDA graph captures (prelude, core step, coda; CB's fused iteration) runs
+    with host syncs forbidden, and every two calls at one graph key (stage, padded batch, context
+    blocks, r_max) run the same ops on the same shapes, reading and writing the same persistent
+    buffers: what a replay needs to be the captured run. Bodies run as captured ones do on CUDA:
+    contexts bucketed, and no prompt chunks (those launches run eagerly)."""
+    mode = dict(policy="cb") if criterion == "cb" else dict(policy="cdb", refill=True, min_coda_batch=1)
+    crit = {} if criterion == "cb" else dict(full_depth=True) if criterion == "none" else \
+        dict(exit_criterion=criterion, exit_threshold=THRESHOLDS[criterion])
+    eng = LLMEngine(gated(arch), EngineConfig(kv_cache_tokens=512, max_batch_size=4, kv_layout=layout,
+                                              prefill="separate", **mode, **crit))
+    r = eng.runner
+    r.batch_state.bucketed = True
+    if paged:
+        r.enable_paged(compile=False)
+    buffers, traces, calls = _persistent(r), defaultdict(set), Counter()
+
+    def body(stage, inp, nb, r_max=0):
+        with HostSyncs(strict=True), _Trace(buffers) as t:
+            out = ModelRunner.body(r, stage, inp, nb, r_max)
+        key = stage, inp.shape[0], nb, r_max
+        traces[key].add(tuple(t.ops))
+        calls[key] += 1
+        return out
+
+    r.body = body
+    run_staggered(eng, random_requests(stable_seed("capture", arch, criterion, layout), n=5, prompt_len=(2, 20),
+                                       max_new=(2, 8)), 1)
+    stages = {k[0] for k in traces}
+    assert stages == ({Stage.FUSED} if criterion == "cb" else {Stage.PRELUDE, Stage.CORE, Stage.CODA}), stages
+    assert sum(len(v) == 1 for v in traces.values()) == len(traces), \
+        [k for k, v in traces.items() if len(v) > 1]
+    assert max(calls.values()) >= 4  # keys met again with other batch contents: the comparison is real
+
+
+def test_the_capture_check_fails_on_a_sync_in_a_body(monkeypatch):
+    """The check above can fail: a core body that branches on its scores on the host raises."""
+    def branching(self, slots, batch, r_max, chunks=None):
+        scores = core(self, slots, batch, r_max, chunks)
+        return scores * 0 if bool((scores > 2).any()) else scores  # a host read of a device value
+    core = ModelRunner._core_body
+    monkeypatch.setattr(ModelRunner, "_core_body", branching)
+    with pytest.raises(HostSyncError, match="read"):
+        test_captured_bodies_are_capture_safe_and_static("ouro-tiny", "ouro_gate", "last_exited", False)
+
+
+# ---------------------------------------------------------------- graph replay
+# every (mode, layout, lookahead) of the grid once, the two archs in turn (tracing a key costs ~0.1 s)
+REPLAY_CASES = [(ARCHS[i % 2], *c) for i, c in enumerate(grid(MODES_KBIG))]
+
+
+@pytest.mark.parametrize("arch,mode,layout,lookahead", REPLAY_CASES)
+def test_engine_equals_reference_through_graph_replay(arch, mode, layout, lookahead):
+    """tests/test_engine.py's grid with every decode launch a replay of a graph traced once per key
+    (graph_replay.py): tokens, exit depths and log-probs equal the reference decoder's, so nothing a
+    body decides on the host, and no output read after the next replay, changes the result. Batch 3
+    (padded to 4) or 8 in turn; the pipelined core path with lookahead."""
+    seed = stable_seed("replay", arch, mode, layout, lookahead)
+    max_batch = (3, 8)[seed % 2]
+    full = mode == "cb" or layout == "full_depth"
+    refs = reference(arch, layout, lookahead, full, seed % 4)
+    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512,
+                       **engine_settings(mode, layout, lookahead))
+    eng = LLMEngine(model(arch), cfg)
+    graphs = graph_replay.install(eng)
+    seqs = run_staggered(eng, random_requests(seed % 4), seed, join=0.3)
+    for i, (s, r) in enumerate(zip(seqs, refs)):
+        assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths, f"seed {seed}, request {i}"
+        assert max(abs(a - b) for a, b in zip(s.logprobs, r.logprobs)) < 1e-10, f"seed {seed}, request {i}"
+    assert eng.blocks.all_free and graphs.replays > len(graphs.graphs) > 0
+
+
+@pytest.mark.parametrize("arch,criterion", [("ouro-tiny", "preloop"), ("huginn-tiny", "lookahead_gate")])
+def test_distilled_heads_equal_reference_through_graph_replay(arch, criterion):
+    """The two criteria whose scores leave the prelude (preloop) or decide a step ahead (the
+    lookahead head, pipelined), through graph replay."""
+    from infer.engine.reference import reference_generate
+    from looplm import ExitPolicy
+    m, thr = gated(arch), THRESHOLDS[criterion]
+    reqs = random_requests(stable_seed("replay-gates", arch), n=6)
+    pol = ExitPolicy.from_config(m.cfg, criterion=criterion, threshold=thr)
+    refs = [reference_generate(m, p, n, pol, kv_layout="last_exited") for p, n in reqs]
+    eng = LLMEngine(m, EngineConfig(max_batch_size=4, kv_cache_tokens=512, exit_criterion=criterion, exit_threshold=thr,
+                                    pipeline=criterion == "lookahead_gate"))
+    graph_replay.install(eng)
+    seqs = run_staggered(eng, reqs, 2, join=0.3)
+    for s, r in zip(seqs, refs):
+        assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths
+        assert max(abs(a - b) for a, b in zip(s.logprobs, r.logprobs)) < 1e-10
+
+
+def test_graph_replay_catches_an_output_read_after_the_next_replay(monkeypatch):
+    """The emulator can fail: with the pipelined core path keeping a reference to the graph's output
+    instead of copying it out (PendingScores without `copy`), the scores it reads one step later are
+    the poison of the next replay, and the exits differ from the reference."""
+    import infer.engine.runner as runner_mod
+    real = runner_mod.PendingScores
+    monkeypatch.setattr(runner_mod, "PendingScores", lambda scores, n, copy=False: real(scores, n, False))
+    refs = reference("ouro-tiny", "last_exited", True, False, 0)
+    eng = LLMEngine(model("ouro-tiny"), EngineConfig(max_batch_size=4, kv_cache_tokens=512,
+                                                     **engine_settings("refill_k1", "last_exited", True)))
+    graph_replay.install(eng)
+    seqs = run_staggered(eng, random_requests(0), 0, join=0.3)
+    assert [s.exit_depths for s in seqs] != [r.exit_depths for r in refs]

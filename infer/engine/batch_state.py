@@ -30,6 +30,18 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def to_device(xs: list | array | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host numbers -> a tensor on the device: the engine's one host -> device path (on CUDA: pinned,
+    asynchronous, so the stream never waits for the host; host_syncs.py counts every other one). An
+    array('q') converts 3x faster than a list (torch.tensor walks the list item by item)."""
+    if isinstance(xs, array):
+        xs = torch.frombuffer(xs, dtype=torch.long) if len(xs) else torch.zeros(0, dtype=torch.long)
+    if device.type != "cuda":
+        return xs if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=dtype)
+    t = xs.pin_memory() if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=dtype, pin_memory=True)
+    return t.to(device, non_blocking=True)
+
+
 # The launch shapes, in one place (the model runner pads by them, infer/sim/runner.py prices them)
 def padded_batch(n: int, max_batch_size: int, pad_pow2: bool) -> int:
     """The batch a launch of n decode items runs at: the next power of two, so that graphs and
@@ -71,6 +83,8 @@ class BatchState:
         # through the block tables instead of gathering every context to the longest. Off by
         # default: on CUDA it needs scripts/gpu_check.py's parity and speed check first.
         self.paged = False
+        # contexts padded to power-of-two buckets (CUDA: few graph keys; a graph-replay emulator on CPU too)
+        self.bucketed = device.type == "cuda"
         self.flex = None  # a compiled flex_attention for paged attention on CUDA (ModelRunner.enable_paged)
         # inverse page table: each block's index in its owner's table (one entry more: the block of
         # the layout's scratch row); stale entries of freed blocks are harmless (see PagedContext)
@@ -83,14 +97,7 @@ class BatchState:
         self.attention_stats: dict | None = None  # see _count_attention
 
     def to_device(self, xs: list | array | torch.Tensor) -> torch.Tensor:
-        """Host ints -> a long tensor on the device (on CUDA: pinned, asynchronous). An array('q')
-        converts 3x faster than a list (torch.tensor walks the list item by item)."""
-        if isinstance(xs, array):
-            xs = torch.frombuffer(xs, dtype=torch.long) if len(xs) else torch.zeros(0, dtype=torch.long)
-        if self.device.type != "cuda":
-            return xs if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long)
-        t = xs.pin_memory() if isinstance(xs, torch.Tensor) else torch.tensor(xs, dtype=torch.long, pin_memory=True)
-        return t.to(self.device, non_blocking=True)
+        return to_device(xs, self.device)
 
     # ------------------------------------------------------------------ what changed
     def note(self, changed: list[Sequence], grown: list[Sequence]) -> None:
@@ -195,7 +202,7 @@ class BatchState:
     def ctx_blocks(self, nb: int) -> int:
         """Context blocks the SDPA path attends (on CUDA, a few power-of-two buckets so that graphs
         and kernels see a handful of shapes)."""
-        return context_blocks(nb, self.bt.shape[1], self.device.type == "cuda")
+        return context_blocks(nb, self.bt.shape[1], self.bucketed)
 
     # ------------------------------------------------------------------ on the device
     def rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class Chunks:
         batch = TokenBatch(ids=ids, positions=pos, rows=rows, steps=steps, ctx_rows=dec.ctx_rows if dec else None,
                            ctx_len=dec.ctx_len if dec else None, segments=self.segments, num_decode=N)
         if work.stage.emits:
-            self.head = torch.tensor(head_rows(work, self.segments), dtype=torch.long, device=ids.device)
+            self.head = t(head_rows(work, self.segments))  # (the upload path: no pageable copy on CUDA)
         return batch
 
     def keep(self, state: torch.Tensor, inj: torch.Tensor | None) -> None:

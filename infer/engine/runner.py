@@ -77,9 +77,11 @@ class Emitted(NamedTuple):
 
 
 class PendingScores:
-    """Exit scores of a launched core step (a `Scores`)."""
+    """Exit scores of a launched core step (a `Scores`). A graph's output buffer is overwritten by
+    the next replay, so the scores are copied out at once (on CUDA into pinned memory, stream-ordered);
+    an eager CPU launch's own tensor is kept as it is (`copy=False`)."""
 
-    def __init__(self, scores: torch.Tensor, n: int):
+    def __init__(self, scores: torch.Tensor, n: int, copy: bool = False):
         self.n = n
         if scores.device.type == "cuda":
             self.host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
@@ -87,7 +89,7 @@ class PendingScores:
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host, self.event = scores, None
+            self.host, self.event = scores.clone() if copy else scores, None
 
     def get(self) -> list[float]:
         """The scores; waits for (only) the step that produced them."""
@@ -266,12 +268,16 @@ class ModelRunner:
 
     def _prelude(self, work: Work) -> PendingScores | None:
         out = self._launch(work)
-        return PendingScores(out, len(work.seqs)) if self.preloop else None
+        return PendingScores(out, len(work.seqs), self.graphs is not None) if self.preloop else None
 
     def _core(self, work: Work) -> PendingScores | None:
-        """One loop step for every item, each at its own depth (preloop: no scores to read)."""
+        """One loop step for every item, each at its own depth. No scores to read under the preloop
+        criterion (depths fixed at the prelude) or at full depth (criterion none: every item loops to
+        its r_max, and no request can override that), so such a step makes no device -> host read."""
         scores = self._launch(work)
-        return None if self.preloop else PendingScores(scores, len(work.seqs))
+        if self.preloop or self.criterion == "none":
+            return None
+        return PendingScores(scores, len(work.seqs), self.graphs is not None)
 
     def _coda(self, work: Work) -> Emitted:
         return self._emitted(work, self._launch(work))
@@ -306,18 +312,15 @@ class ModelRunner:
         """Whole prompts at full depth; returns the last position's logits [B, V] (and the prompt
         logits of those that ask for prompt log-probs)."""
         B = self.blocks.block_size
-        ids, pos, blocks, keep, sid, last = [], [], [], [], [], []
+        # host bookkeeping in Python lists, uploaded once each (no host tensors: host_syncs.py)
+        ids, pos, rows, sid, last = [], [], [], [], []
         for i, s in enumerate(seqs):
-            L = len(s.prompt_ids)
+            L, blocks = len(s.prompt_ids), s.blocks
             ids += s.prompt_ids
             pos += range(L)
-            nb = -(-L // B)
-            blocks += s.blocks[:nb]
-            keep += [True] * L + [False] * (nb * B - L)  # the rows of positions 0..L-1 of its blocks
+            rows += [blocks[p // B] * B + p % B for p in range(L)]  # the KV rows of positions 0..L-1
             sid += [i] * L
             last.append(len(ids) - 1)
-        span = (torch.tensor(blocks, dtype=torch.long)[:, None] * B + torch.arange(B)).view(-1)
-        rows = span[torch.tensor(keep)]
         batch = TokenBatch(ids=self._t(ids), positions=self._t(pos), rows=self._t(rows),
                            steps=torch.ones(len(ids), dtype=torch.long, device=self.device), seq_ids=self._t(sid))
         # echo / prompt log-probs: after the B last rows, every position of the prompts that ask

@@ -19,6 +19,7 @@ import torch
 
 from looplm.sampling import choose_token
 
+from .batch_state import to_device
 from .sequence import Sequence
 
 _sampled = attrgetter("sampled")
@@ -58,12 +59,12 @@ class Sampler:
         rest = [i for i in free if seqs[i].params.seed is None]
         if rest:
             ps = [seqs[i].params for i in rest]
-            dev = logits.device
-            rows = torch.tensor(rest, device=dev)
-            drawn = sample_batched(logits[rows], torch.tensor([p.temperature for p in ps], device=dev),
-                                   torch.tensor([p.top_k for p in ps], device=dev),
-                                   torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
-                                   self.generator)
+            n, dev = len(rest), logits.device
+            # two uploads (pinned, asynchronous on CUDA): rows and top-k, temperatures and top-p
+            ints = to_device(rest + [p.top_k for p in ps], dev)
+            floats = to_device([p.temperature for p in ps] + [p.top_p for p in ps], dev, torch.float64)
+            rows = ints[:n]
+            drawn = sample_batched(logits[rows], floats[:n], ints[n:], floats[n:].float(), self.generator)
             greedy = greedy.index_copy(0, rows, drawn)
         toks = greedy.tolist()  # the one device-to-host copy of the batch's ids
         for i in seeded:
