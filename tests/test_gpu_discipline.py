@@ -13,6 +13,7 @@ GC's next pass, which on a GPU means out of memory at the next engine of a bench
 sized from what the earlier ones still hold. The tests turn the cyclic GC off, so only reference
 counting can free the pool.
 """
+import dataclasses
 import functools
 import gc
 import weakref
@@ -355,3 +356,41 @@ def test_graph_replay_catches_an_output_read_after_the_next_replay(monkeypatch):
     graph_replay.install(eng)
     seqs = run_staggered(eng, random_requests(0), 0, join=0.3)
     assert [s.exit_depths for s in seqs] != [r.exit_depths for r in refs]
+
+
+# ---------------------------------------------------------------- memory model
+MEMORY_CASES = [("ouro-1.4b", "ouro_gate", 4096), ("ouro-1.4b", "kl", 4096), ("huginn-3.5b", "learned", 4096),
+                ("ouro-1.4b", "ouro_gate", 65536)]
+
+
+@pytest.mark.parametrize("name,criterion,context", MEMORY_CASES)
+def test_the_budget_reserves_the_largest_launch_at_real_shapes(name, criterion, context):
+    """On the meta device at the paper models' real shapes, batch 64: the bytes the runner's own decode
+    bodies (prelude, core step, coda, CB's fused iteration) allocate at the widest context stay inside
+    what the CUDA budget reserves (memory.activation_reserve of memory.launch_peaks), measured op by
+    op (memory.LiveBytes). The old profile decoded a one-block context: its reserve is shown to miss
+    the SDPA gather (N x context K/V rows per layer: 2 GiB for Ouro-1.4B at 4k, 32 GiB at 64k)."""
+    from infer.engine.block_manager import BlockManager
+    from infer.engine.memory import _peak, activation_reserve, launch_peaks
+    from looplm.io import build_model
+    from looplm.presets import paper_config
+    cfg = paper_config(name, max_position=context)
+    with torch.device("meta"):
+        m = build_model(cfg).to(torch.bfloat16).eval()
+    dev, B, N = torch.device("meta"), 16, 64
+    c = EngineConfig(max_batch_size=N, exit_criterion=criterion, kv_cache_tokens=1 << 20).resolve(cfg, "cpu")
+    peaks = launch_peaks(m, c)
+    reserve = activation_reserve(peaks)
+    r = ModelRunner(m, c.kv_layout, BlockManager(N * context // B, B, N), criterion, max_batch_size=N)
+    bodies = {}
+    with torch.inference_mode():
+        for st in (Stage.PRELUDE, Stage.CORE, Stage.CODA, Stage.FUSED):
+            inp = torch.zeros(2 * N if st.reads_tokens else N, dtype=torch.long, device=dev)
+            bodies[st.value] = _peak(lambda: r.body(st, inp, context // B, cfg.r_max), dev)
+    print(name, criterion, context, "GiB:", {k: round(v / 2**30, 3) for k, v in bodies.items()},
+          "reserve", round(reserve / 2**30, 3))
+    assert max(bodies.values()) <= peaks["decode"] <= reserve  # the decode profile alone covers every body
+    kv = cfg.num_kv_heads * cfg.head_dim * 2 * N * context * 2  # K and V gathered, bf16
+    assert bodies["core"] >= kv
+    old = launch_peaks(m, dataclasses.replace(c, max_model_len=B))  # the old profile: a one-block context
+    assert activation_reserve(old) < bodies["core"]

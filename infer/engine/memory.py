@@ -1,10 +1,12 @@
 """How big the KV pool is: a byte budget from the device, turned into blocks.
 
 - `kv_cache_tokens` / `kv_cache_bytes` given: that, exactly.
-- CUDA: vLLM's `gpu_memory_utilization`. With the weights loaded, one worst-case dummy prefill
-  (`EngineConfig.max_launch_tokens`: the largest launch admission can build) and one dummy fused
-  decode stage (`max_batch_size` tokens at r_max loop steps) run on a one-block layout; the pool gets
-  `total x utilization - (memory in use: weights, CUDA context, other processes) - peak activations`.
+- CUDA: vLLM's `gpu_memory_utilization`. With the weights loaded, the largest launch of each kind
+  runs once on a one-block layout (`launch_peaks`: a prefill of `EngineConfig.max_launch_tokens`,
+  the same with every position's log-probs, a fused decode of the padded max_batch_size at the
+  longest context the SDPA gather reads); the pool gets `total x utilization - (memory in use:
+  weights, CUDA context, other processes) - activation_reserve` (the decode peak plus the largest
+  eager launch: a mixed launch holds both, and the CUDA graphs' pool keeps the decode's for good).
 - CPU: `kv_cache_memory` bytes (EngineConfig.resolve sets its default, `CPU_KV_MEMORY`).
 The per-slot state buffers (loop state, injection, exit-criterion memory) come out of the same
 budget. Neither `max_batch_size` nor the context length multiplies into the pool: the pool is
@@ -16,14 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
+from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kv_layouts import layout_class, make_layout
 from looplm.errors import ParamError
+from looplm.exits import initial_aux, score_rule
 from looplm.model import LoopedLM
 
 from . import stages
+from .batch_state import context_blocks, next_pow2, table_width
 from .config import EngineConfig
 from .stages import TokenBatch
 
@@ -37,33 +45,107 @@ def state_slot_bytes(model: LoopedLM, criterion: str) -> int:
     return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1) + aux
 
 
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the tensors alive during a run, counted from the ops (on the meta device at
+    real shapes, where no allocator keeps statistics): each op's fresh outputs count from their
+    creation until their storage is freed; views and in-place results (outputs that alias an input)
+    add nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):  # (a storage lives as long as any view of it)
+                    st = t.untyped_storage()
+                    self.live += st.nbytes()
+                    weakref.finalize(st, self._free, st.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def _peak(fn: Callable[[], object], dev: torch.device) -> int:
+    """Bytes `fn` allocates at its peak beyond what was allocated before it (CUDA: the allocator's
+    statistics; meta: LiveBytes)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+    with LiveBytes() as m:
+        fn()
+    return m.peak
+
+
+def decode_context(c: EngineConfig, cfg) -> int:
+    """The longest context, in KV rows, that a decode launch's SDPA gather can read: every item padded
+    to the bucketed longest context (BatchState.ctx_blocks), up to max_model_len."""
+    B = c.block_size
+    widest = table_width(cfg.max_position, B, cfg.max_position)  # (the table's width with any pool that holds it)
+    return context_blocks(-(-c.max_model_len // B), widest, True) * B
+
+
 @torch.inference_mode()
+def launch_peaks(model: LoopedLM, c: EngineConfig) -> dict[str, int]:
+    """The activation bytes of the largest launch of each kind a resolved config can build, run once
+    each on a one-block layout (rows wrap around it, so the pool itself costs nothing):
+    - `prefill`: `max_launch_tokens` prompt positions (a prefill or mixed launch, eager);
+    - `logprobs`: the same with every position through the head and the output processor's float64
+      log-softmax (prompt log-probs / echo);
+    - `decode`: CB's fused iteration (prelude, r_max core steps, coda, head) and a CDB core step with
+      the exit criterion, over the padded max_batch_size, every item attending the longest context
+      the SDPA gather can read (`decode_context`): N x context K/V rows per layer, 2 GiB for
+      Ouro-1.4B at N=64 and 4k, 32 GiB at 64k (tests/test_memory.py measures the runner's bodies)."""
+    cfg, dev, B = model.cfg, model.device, c.block_size
+    layout = make_layout(c.kv_layout, cfg, B, model.dtype, dev)
+    long = dict(dtype=torch.long, device=dev)
+    n = c.max_launch_tokens()
+    pos = torch.arange(n, **long)
+    prompt = TokenBatch(ids=torch.zeros(n, **long), positions=pos, rows=pos % B, steps=torch.ones(n, **long),
+                        seq_ids=torch.zeros(n, **long))
+    b, L = next_pow2(c.max_batch_size), decode_context(c, cfg)
+    criterion = "none" if c.full_depth else c.exit_criterion
+
+    def decode() -> TokenBatch:  # built inside the measured call, as BatchState.gather builds it in the body
+        j = torch.arange(L, **long)
+        ctx = torch.zeros(b, -(-L // B), **long)[:, j // B] * B + j % B  # (every block is the layout's one)
+        return TokenBatch(ids=torch.zeros(b, **long), positions=torch.full((b,), L - 1, **long), rows=ctx[:, 0],
+                          steps=torch.ones(b, **long), ctx_rows=ctx, ctx_len=torch.full((b,), L, **long))
+
+    def core() -> None:  # one CDB core step with the engine's exit criterion (kl / entropy: coda + head too)
+        state = torch.zeros(b, cfg.hidden_size, dtype=model.dtype, device=dev)
+        aux = initial_aux(score_rule(criterion, cfg), b, cfg.vocab_size, dev)
+        stages.core_step(model, layout, decode(), state, state if cfg.arch == "huginn" else None, criterion, aux)
+
+    return {"prefill": _peak(lambda: stages.prefill(model, layout, prompt, pos[-1:]), dev),
+            "logprobs": _peak(lambda: torch.log_softmax(stages.prefill(model, layout, prompt, pos).double(), -1), dev),
+            "decode": max(_peak(lambda: stages.fused(model, layout, decode(), cfg.r_max), dev), _peak(core, dev))}
+
+
+def activation_reserve(peaks: dict[str, int]) -> int:
+    """Bytes the budget keeps for activations: the largest decode plus the largest eager launch, which
+    can hold memory at once (a mixed launch carries decode items at the longest context beside prompt
+    chunks, and CUDA graphs keep the largest decode graph's intermediates in their pool for good)."""
+    return peaks["decode"] + max(peaks["prefill"], peaks["logprobs"])
+
+
 def cuda_budget(model: LoopedLM, c: EngineConfig) -> int:
-    """Bytes left for the pool on the model's CUDA device after weights and a worst-case stage."""
-    cfg, dev = model.cfg, model.device
+    """Bytes left for the pool on the model's CUDA device after weights and the largest launches."""
+    dev = model.device
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    layout = make_layout(c.kv_layout, cfg, c.block_size, model.dtype, dev)  # one block: rows wrap around it
-    n = c.max_launch_tokens()
-    pos = torch.arange(n, device=dev)
-    rows = pos % c.block_size
-    batch = TokenBatch(ids=torch.zeros(n, dtype=torch.long, device=dev), positions=pos, rows=rows,
-                       steps=torch.ones(n, dtype=torch.long, device=dev), seq_ids=torch.zeros_like(pos))
-    stages.prefill(model, layout, batch, pos[-1:])
-    b = c.max_batch_size
-    ctx = torch.arange(c.block_size, device=dev).expand(b, -1)
-    dec = TokenBatch(ids=torch.zeros(b, dtype=torch.long, device=dev), positions=torch.zeros(b, dtype=torch.long,
-                     device=dev), rows=ctx[:, 0], steps=torch.ones(b, dtype=torch.long, device=dev), ctx_rows=ctx,
-                     ctx_len=torch.ones(b, dtype=torch.long, device=dev))
-    stages.fused(model, layout, dec, cfg.r_max)
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    del layout, batch, dec
+    reserve = activation_reserve(launch_peaks(model, c))
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    return int(total * c.gpu_memory_utilization) - (total - free) - peak
+    return int(total * c.gpu_memory_utilization) - (total - free) - reserve
 
 
 def kv_bytes_per_token(model: LoopedLM, kv_layout: str) -> int:
