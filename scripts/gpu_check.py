@@ -37,20 +37,20 @@ def run_engine(model, cfg: EngineConfig, reqs, instrument: bool = False, paged: 
                 return
             if seconds is None:
                 events.append((step_no[0], torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                events[-1][1].record()
+                events[-1][1].record(torch.cuda.current_stream(model.device))
             else:
-                events[-1][2].record()
+                events[-1][2].record(torch.cuda.current_stream(model.device))
         eng.on_launch.append(timed)
     step_no = [0]  # engine steps so far: tells whether two core launches were consecutive
     seqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in reqs]
     if model.device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(model.device)
     t0 = time.perf_counter()
     while eng.has_unfinished():
         step_no[0] += 1
         eng.step()
     if model.device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(model.device)
     secs = time.perf_counter() - t0
     out = {"seconds": secs, "tokens": sum(len(s.output_ids) for s in seqs),
            "tok_per_s": sum(len(s.output_ids) for s in seqs) / secs, "mean_depth": eng.mean_exit_depth,

@@ -394,3 +394,29 @@ def test_the_budget_reserves_the_largest_launch_at_real_shapes(name, criterion, 
     assert bodies["core"] >= kv
     old = launch_peaks(m, dataclasses.replace(c, max_model_len=B))  # the old profile: a one-block context
     assert activation_reserve(old) < bodies["core"]
+
+
+# ---------------------------------------------------------------- device guards
+DEVICE_CALLS = {"synchronize", "current_stream", "Stream", "mem_get_info", "memory_allocated", "max_memory_allocated",
+                "reset_peak_memory_stats"}
+
+
+def test_every_cuda_call_names_its_device():
+    """Streams, events, synchronize and the memory statistics default to the *current* CUDA device,
+    which is cuda:0 unless someone set it: an engine on `device="cuda:1"` would capture, wait and
+    measure on the wrong one. Every such call in the engine, the instruments and gpu_check names its
+    device (or its stream, for an event's record). Fails on the old code (graphs.py, runner.py,
+    llm_engine.py, speculative.py, the benches, gpu_check). CUDA graph capture runs under
+    `torch.cuda.device(runner.device)` (graphs.py); replay keeps the capture's device itself."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted((root / "infer").rglob("*.py")) + [root / "scripts" / "gpu_check.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)) or node.args or node.keywords:
+                continue
+            f = node.func
+            if (f.attr in DEVICE_CALLS and ast.unparse(f.value) == "torch.cuda") or f.attr == "record":
+                bad.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    assert bad == []

@@ -69,7 +69,7 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
                 progress.update(n - done)
                 done = n
     if eng.model.device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(eng.model.device)
     seconds = time.perf_counter() - t0
     outs = [eng.output(s) for s in added]
     for s in added:

@@ -21,17 +21,21 @@ class GraphCache:
         self.pool = None
 
     def _capture(self, key: tuple):
+        with torch.cuda.device(self.runner.device):  # streams, the capture and its syncs on the runner's device
+            return self._capture_on_device(key)
+
+    def _capture_on_device(self, key: tuple):
         stage, size, nb, r_max = key
         r = self.runner
         slots = torch.full((size,), r.scratch_slot, dtype=torch.long, device=r.device)
         if stage.reads_tokens:
             slots[size // 2:] = 0  # token ids of the padding items
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
+        s = torch.cuda.Stream(r.device)
+        s.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(s):
             for _ in range(2):  # warm-up (allocator, cuBLAS workspaces) on the scratch slot only
                 r.body(stage, slots, nb, r_max)
-        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.current_stream(r.device).wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
             out = r.body(stage, slots, nb, r_max)

@@ -214,7 +214,7 @@ class LLMEngine:
                 self.trace += out.rows
                 return
             if self.model.device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.model.device)
             row, t0 = record
             row["score_reads"], row["seconds"] = int(reads), time.perf_counter() - t0
             self.trace.append(row)

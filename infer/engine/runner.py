@@ -87,7 +87,7 @@ class PendingScores:
             self.host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
             self.host.copy_(scores, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(scores.device))  # (its device's stream: cuda:1 too)
         else:
             self.host, self.event = scores.clone() if copy else scores, None
 

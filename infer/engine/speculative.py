@@ -128,7 +128,7 @@ def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str
         else:  # every window position at its final state
             logits = stages.coda(model, layout, batch(idx), state)
             if dev.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(dev)
         # the launch's trace row (seconds since the last one: a core step's score read waits for
         # the device, so on CUDA these are close to device time)
         now = time.perf_counter()

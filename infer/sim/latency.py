@@ -145,7 +145,7 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
                 if stage == "core":
                     out.get()
                 if model.device.type == "cuda":
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize(model.device)
                 ts.append(time.perf_counter() - t0)
         for s in seqs:
             bm.free(s.blocks, s.slot)
