@@ -19,12 +19,15 @@ import weakref
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from infer.engine.graphs import GraphCache
 from infer.engine.sequence import Stage
 
 
-class ReplayGraphs:
+class ReplayGraphs(GraphCache):
+    """GraphCache with a traced FX graph per key in place of a CUDA graph (`capture` is GraphCache's)."""
+
     def __init__(self, runner):
-        self.runner = weakref.proxy(runner)
+        super().__init__(weakref.proxy(runner))
         self.graphs: dict[tuple, tuple[torch.fx.GraphModule, torch.Tensor | None]] = {}
         self.replays = 0
 

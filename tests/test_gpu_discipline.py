@@ -16,6 +16,7 @@ counting can free the pool.
 import dataclasses
 import functools
 import gc
+import random
 import weakref
 from collections import Counter, defaultdict
 
@@ -31,7 +32,7 @@ from infer.engine.sequence import Stage
 from looplm import tiny_model
 
 import graph_replay
-from helpers import ARCHS, MODES_KBIG, engine_settings, grid, model, random_requests, reference, run_staggered, \
+from helpers import ARCHS, MODES_KBIG, engine_settings, fresh_model, grid, model, random_requests, reference, run_staggered, \
     stable_seed
 
 
@@ -420,3 +421,26 @@ def test_every_cuda_call_names_its_device():
             if (f.attr in DEVICE_CALLS and ast.unparse(f.value) == "torch.cuda") or f.attr == "record":
                 bad.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     assert bad == []
+
+
+# ---------------------------------------------------------------- capture at start-up
+@pytest.mark.parametrize("arch,mode", [("ouro-tiny", "refill_k1"), ("huginn-tiny", "norefill"), ("ouro-tiny", "cb")])
+def test_start_up_capture_covers_every_key_serving_meets(arch, mode):
+    """The keys LLMEngine captures at start-up under CUDA graphs (ModelRunner.graph_keys) are every
+    key serving then replays: after capturing them (through graph replay, on CPU), random load with
+    every prompt length up to the context captures nothing more, and the outputs stay exact."""
+    m = fresh_model(arch, max_position=64)
+    eng = LLMEngine(m, EngineConfig(max_batch_size=3, kv_cache_tokens=512, block_size=8,
+                                    **engine_settings(mode, "last_exited", mode == "norefill")))
+    graphs = graph_replay.install(eng)
+    keys = eng.runner.graph_keys(mode == "cb", m.cfg.r_max)
+    done = graphs.capture(keys)
+    assert done["captured"] == len(keys) == len(set(keys))
+    print(arch, mode, "keys:", len(keys), "capture seconds:", round(done["seconds"], 2))
+    rng = random.Random(stable_seed("startup", arch, mode))
+    for _ in range(8):
+        p = [rng.randrange(1, 256) for _ in range(rng.choice([1, 5, 20, 40, 55]))]
+        eng.add_request(p, SamplingParams(max_tokens=rng.randint(1, 63 - len(p)), ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert set(graphs.graphs) == set(keys), sorted(set(graphs.graphs) - set(keys), key=str)

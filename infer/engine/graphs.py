@@ -1,4 +1,8 @@
-"""CUDA graphs for the decode stages, captured lazily per (stage, padded batch, context blocks).
+"""CUDA graphs for the decode stages, one per (stage, padded batch, context blocks, r_max).
+
+The engine captures, at start-up, every key its scheduler can emit (`ModelRunner.graph_keys`:
+vLLM's capture sizes, the padded batch sizes, times the context buckets), so that no request waits
+on a capture mid-serving; a key met later anyway (CB at a request's lower r_max) is captured then.
 
 A decode stage's only per-stage input is its slots [N] (the scratch slot for padding), plus the
 items' tokens for a stage that embeds them (prelude, fused): the body gathers position, loop step
@@ -8,6 +12,8 @@ graph replays after one device-to-device copy of that input. All graphs share on
 Warm-up and capture use the scratch slot only, so they never touch a real sequence's KV or state.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -42,6 +48,15 @@ class GraphCache:
         self.pool = g.pool()
         self.graphs[key] = (g, slots, out)
         return self.graphs[key]
+
+    def capture(self, keys: list[tuple]) -> dict:
+        """Capture every key of `keys` not captured yet; returns the count and the seconds it took."""
+        t0, n = time.perf_counter(), 0
+        for key in keys:
+            if key not in self.graphs:
+                self._capture(key)
+                n += 1
+        return {"captured": n, "seconds": time.perf_counter() - t0}
 
     def run(self, stage: Stage, slots: torch.Tensor, nb: int, r_max: int = 0):
         key = (stage, slots.shape[0], nb, r_max if stage is Stage.FUSED else 0)

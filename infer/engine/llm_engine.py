@@ -7,6 +7,7 @@ outcome to its queues (and frees the memory of what finished)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from .sequence import Sequence, Stage
 from .trace import TraceRow, trace_row
 
 
+log = logging.getLogger("infer.engine")
 STAGE_NAMES = {s: s.value for s in Stage}  # (Enum.value is a descriptor call: this runs once per stage)
 # the stages whose output goes through the output processor: those that end with logits, and a
 # speculative stage (its verified rows, OutputProcessor._accept)
@@ -87,6 +89,11 @@ class LLMEngine:
                                    r_full=cfg.r_max)
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=c.cuda_graphs)
+        # CUDA graphs: every key the scheduler can emit, captured now rather than while requests wait
+        graphs = getattr(self.runner, "graphs", None)
+        self.graph_capture = graphs.capture(self.runner.graph_keys(c.policy == "cb", cfg.r_max)) if graphs else None
+        if self.graph_capture:
+            log.info("captured %d CUDA graphs in %.1f s", self.graph_capture["captured"], self.graph_capture["seconds"])
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()

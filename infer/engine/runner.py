@@ -143,6 +143,20 @@ class ModelRunner:
     def padded(self, n: int) -> int:
         return padded_batch(n, self.max_batch_size, self.pad_pow2)
 
+    def graph_keys(self, fused: bool, r_max: int) -> list[tuple]:
+        """Every graph key (GraphCache.run's) a decode-only launch can hit: the padded batch sizes of
+        1..max_batch_size items (slots, + their tokens for a stage that embeds them) times the context
+        buckets up to the table's width (one for a prelude without attention layers), for CB's fused
+        iteration at `r_max` or for CDB's prelude, core step and coda."""
+        bs = self.batch_state
+        sizes = sorted({self.padded(n) for n in range(1, self.max_batch_size + 1)})
+        buckets = sorted({bs.ctx_blocks(nb) for nb in range(1, bs.bt.shape[1] + 1)})
+        keys = []
+        for st in [Stage.FUSED] if fused else [Stage.PRELUDE, Stage.CORE, Stage.CODA]:
+            ctx = [1] if st is Stage.PRELUDE and self.cfg.n_prelude == 0 else buckets
+            keys += [(st, 2 * n if st.reads_tokens else n, nb, r_max if fused else 0) for n in sizes for nb in ctx]
+        return keys
+
     @property
     def attention_stats(self) -> dict | None:
         """Decode attention traffic counters (BatchState._count_attention); None: off."""
