@@ -444,3 +444,22 @@ def test_start_up_capture_covers_every_key_serving_meets(arch, mode):
     while eng.has_unfinished():
         eng.step()
     assert set(graphs.graphs) == set(keys), sorted(set(graphs.graphs) - set(keys), key=str)
+
+
+# ---------------------------------------------------------------- bench timing
+def test_timed_bench_passes_run_untraced():
+    """On CUDA every traced stage ends in a synchronize (LLMEngine._count), so the bench's timed
+    passes run untraced and take their stage statistics from a traced pass of the same requests
+    (infer.bench.offline.untraced_timing): an untraced pass records no trace row, and the merged
+    record is the traced pass's with the untraced seconds."""
+    from infer.bench.offline import make_engine, run_engine, untraced_timing
+    from infer.sim.workloads import Request
+    mode = {"name": "cdb_refill_k1", "policy": "cdb", "refill": True, "min_coda_batch": 1}
+    eng = make_engine(model("ouro-tiny"), None, mode, dict(kv_cache_tokens=512, max_batch_size=4, exit_threshold=0.55))
+    reqs = [Request(p, n, len(p), n) for p, n in random_requests(5, n=4)]
+    traced = run_engine(eng, mode, reqs)
+    timed = run_engine(eng, mode, reqs, traced=False)
+    assert timed["steps"] == 0 and eng.trace == [] and traced["steps"] > 0
+    merged = untraced_timing(traced, timed)
+    assert merged["seconds"] == timed["seconds"] and merged["stages"] == traced["stages"]
+    assert merged["work"] == traced["work"] and merged["exit_depths"] == timed["exit_depths"]

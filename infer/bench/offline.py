@@ -13,6 +13,7 @@ fraction of S_e2e; also the fitted stage latency model (infer/sim/latency.py) an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -46,11 +47,14 @@ def make_engine(model, tokenizer, mode: dict, base: dict) -> LLMEngine:
 
 
 def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_trace: bool = True,
-               trackers=None, seqs: list | None = None) -> dict:
+               trackers=None, seqs: list | None = None, traced: bool = True) -> dict:
     """Run every request through an (idle) engine; the raw measurement. The engine can be reused:
     its CUDA graphs, once captured by a first pass, are not captured again inside a timed run.
     `trackers(i)`: request i's exit tracker (a replay's, infer/sim/replay.py); `seqs`: a list the
-    engine's sequences are added to (read them once the run is over)."""
+    engine's sequences are added to (read them once the run is over). `traced=False`: no trace rows
+    (on CUDA each traced stage ends in a synchronize, so a timed pass runs untraced: `untraced_timing`)."""
+    if eng.config.trace != traced:
+        eng.config = dataclasses.replace(eng.config, trace=traced)
     eng.trace = []
     eng.reset_prefix_cache()  # each pass starts cold: only sharing inside the request list counts
     m0, sp0 = eng.metrics(), eng.speculative_metrics()
@@ -85,6 +89,15 @@ def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, 
              keep_trace: bool = True) -> dict:
     """One run on a fresh engine."""
     return run_engine(make_engine(model, tokenizer, mode, base), mode, requests, progress, keep_trace)
+
+
+def untraced_timing(traced: dict, timed: dict) -> dict:
+    """A timed pass run untraced (no per-stage synchronize on CUDA), with the stage statistics, work
+    counts and trace of the traced pass of the same requests on the same engine. Their outputs are
+    the same run's (the schedule does not depend on timing): a pass whose exit depths differ raises."""
+    if timed["exit_depths"] != traced["exit_depths"]:
+        raise RuntimeError(f"{traced['name']}: the untraced pass's exit depths differ from the traced pass's")
+    return {**traced, "seconds": timed["seconds"], "timed_untraced": True}
 
 
 # ---------------------------------------------------------------------------------- results
@@ -157,15 +170,15 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
             prep[m["name"]] = partial(_forced, pol, depths) if pol.adaptive else None
     reps: dict[str, list[dict]] = {m["name"]: [] for m in modes}
     if model.device.type == "cuda":
-        # one engine (KV pool, CUDA graphs) at a time; a full untimed pass captures every graph
-        # (stage, padded batch, context bucket) that the timed passes replay
+        # one engine (KV pool, CUDA graphs captured at its start) at a time; a full untimed pass,
+        # traced (a synchronize per stage: its stage times), then the timed passes untraced
         for m in modes:
             eng = first if m is modes[0] else make_engine(model, tokenizer, m, base)
             first = None
-            if warmup:
-                run_engine(eng, m, reqs, keep_trace=False, trackers=prep.get(m["name"]))
+            traced = run_engine(eng, m, reqs, trackers=prep.get(m["name"]))
             for _ in range(repeats):
-                reps[m["name"]].append(run_engine(eng, m, reqs, progress, trackers=prep.get(m["name"])))
+                timed = run_engine(eng, m, reqs, progress, trackers=prep.get(m["name"]), traced=False)
+                reps[m["name"]].append(untraced_timing(traced, timed))
             del eng
             torch.cuda.empty_cache()
     else:
