@@ -131,6 +131,8 @@ class BatchState:
         previous slots: no copy, no per-item work."""
         redo, grown = self._redo, self._grown
         if not tokens and not redo and not grown and seqs == self._prev[0]:  # identity compare, C speed
+            if not context:  # (a coda without attention layers after the core step of the same items)
+                return self._prev[1], 1
             if self.attention_stats is not None:
                 self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
             return self._prev[1], self._prev[2]

@@ -143,17 +143,22 @@ class ModelRunner:
     def padded(self, n: int) -> int:
         return padded_batch(n, self.max_batch_size, self.pad_pow2)
 
+    def attends(self, stage: Stage) -> bool:
+        """Whether a decode stage has attention layers (reads context): not Ouro's prelude or coda
+        (0-N-0), whose launches then run at one context bucket (one graph per batch size)."""
+        return {Stage.PRELUDE: self.cfg.n_prelude > 0, Stage.CODA: self.cfg.n_coda > 0}.get(stage, True)
+
     def graph_keys(self, fused: bool, r_max: int) -> list[tuple]:
         """Every graph key (GraphCache.run's) a decode-only launch can hit: the padded batch sizes of
         1..max_batch_size items (slots, + their tokens for a stage that embeds them) times the context
-        buckets up to the table's width (one for a prelude without attention layers), for CB's fused
+        buckets up to the table's width (one for a stage without attention layers), for CB's fused
         iteration at `r_max` or for CDB's prelude, core step and coda."""
         bs = self.batch_state
         sizes = sorted({self.padded(n) for n in range(1, self.max_batch_size + 1)})
         buckets = sorted({bs.ctx_blocks(nb) for nb in range(1, bs.bt.shape[1] + 1)})
         keys = []
         for st in [Stage.FUSED] if fused else [Stage.PRELUDE, Stage.CORE, Stage.CODA]:
-            ctx = [1] if st is Stage.PRELUDE and self.cfg.n_prelude == 0 else buckets
+            ctx = buckets if self.attends(st) else [1]
             keys += [(st, 2 * n if st.reads_tokens else n, nb, r_max if fused else 0) for n in sizes for nb in ctx]
         return keys
 
@@ -251,8 +256,7 @@ class ModelRunner:
         stage, seqs = work.stage, work.seqs
         bs = self.batch_state
         if not work.chunks:
-            inp, nb = bs.upload(seqs, tokens=stage.reads_tokens,
-                                context=stage is not Stage.PRELUDE or self.cfg.n_prelude > 0)
+            inp, nb = bs.upload(seqs, tokens=stage.reads_tokens, context=self.attends(stage))
             nb = bs.ctx_blocks(nb)
             if self.graphs is not None:
                 return self.graphs.run(stage, inp, nb, work.r_max)
