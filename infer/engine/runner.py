@@ -171,15 +171,34 @@ class ModelRunner:
     def attention_stats(self, value: dict | None) -> None:
         self.batch_state.attention_stats = value
 
-    def enable_paged(self, compile: bool | None = None) -> None:
+    def enable_paged(self, compile: bool | None = None) -> dict | None:
         """Switch decode attention to paged FlexAttention (compiled on CUDA unless `compile` is
-        False). Block tables already on the device get their inverse page table rebuilt."""
+        False). Block tables already on the device get their inverse page table rebuilt. CUDA graphs
+        captured before (the engine captures them at construction, with the gather + SDPA path in
+        them) are captured again, so that replays run paged; returns that capture's count and
+        seconds (GraphCache.capture), None when there was none."""
         bs = self.batch_state
         bs.paged = True
         if compile if compile is not None else self.device.type == "cuda":
-            from torch.nn.attention.flex_attention import flex_attention
-            bs.flex = torch.compile(flex_attention, dynamic=False)
+            # every static shape the compiled kernel meets: a decode launch's padded batch size times the
+            # depth slots its stage reads (1: prelude, coda, a one-slot core; the layout's slots: a
+            # depth-indexed core step). Context lengths are no shape (stages.paged_mask); mixed launches
+            # and speculative stages never run paged
+            sizes = {self.padded(n) for n in range(1, self.max_batch_size + 1)}
+            bs.flex = stages.compile_paged_flex(len(sizes) * len({1, self.layout.slots}))
         bs.invalidate_all()  # re-upload every table at its next stage
+        graphs = self.graphs
+        if graphs is None or not graphs.graphs:
+            return None
+        # a captured graph replays the attention it was captured with: drop them all (and their memory
+        # pool) and capture the same keys again, now through the paged path. In inference mode, as the
+        # captures that run() makes: flex_attention refuses inputs that require grad (on CPU), and a
+        # compiled one guards on the grad mode, so another mode would cost every shape a second entry
+        keys = list(graphs.graphs)
+        graphs.graphs.clear()
+        graphs.pool = None
+        with torch.inference_mode():
+            return graphs.capture(keys)
 
     # ------------------------------------------------------------------ stage bodies
     def body(self, stage: Stage, inp: torch.Tensor, nb: int, r_max: int = 0) -> torch.Tensor | None:

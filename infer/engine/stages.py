@@ -39,8 +39,8 @@ class PagedContext:
     block_table: torch.Tensor  # [N, nb] physical blocks of each item's context
     page_index: torch.Tensor  # [num_blocks + 1] logical block index of each physical block
     block_size: int
-    q_block: int = 16  # items per query tile of the kernel
-    flex: object = None  # flex_attention, compiled (CUDA); None: the eager one
+    q_block: int | None = None  # items per query tile of the kernel; None: paged_q_block's (what inductor accepts)
+    flex: object = None  # flex_attention, compiled (CUDA: compile_paged_flex); None: the eager one
 
 
 @dataclass
@@ -140,7 +140,8 @@ class KVAttention:
                 depth = lay.slot_of(steps) if core else torch.zeros_like(steps)
                 key = (n_slots, self.step)  # one mask per stage and depth (fused: per loop step)
                 if key not in self._masks:
-                    self._masks[key] = paged_mask(b.paged, b.positions, depth, n_slots, kc.shape[0] // n_slots)
+                    self._masks[key] = paged_mask(b.paged, b.positions, depth, n_slots, kc.shape[0] // n_slots,
+                                                  q.shape[1] // kc.shape[1])
                 return paged_attention(q, kc, vc, depth, n_slots, self._masks[key], b.paged.flex)
             cidx = lay.index(stage, steps[:, None], b.ctx_rows)  # [N, L]
             K, V = kc[cidx].transpose(1, 2), vc[cidx].transpose(1, 2)  # [N, KV, L, D]
@@ -234,36 +235,68 @@ def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int,
     return model.head(hidden if head_index is None else hidden[head_index])
 
 
-def paged_mask(ctx: PagedContext, positions: torch.Tensor, depth: torch.Tensor, depth_slots: int, R: int):
+# The query block of the paged mask, from what inductor's two FlexAttention lowerings accept (torch 2.13,
+# torch/_inductor/kernel/flex/):
+# - flex-decoding, chosen for a query length under 128 with static batch and heads, a block mask broadcast
+#   over heads (GQA) and a power-of-two group (flex_decoding.py:40-96, picked at flex_attention.py:243-254),
+#   puts every query row of a KV head's group in one tile of BLOCK_M = max(16, next_pow2(Q_LEN * group))
+#   rows (flex_decoding.py:279-291) and skips every config whose SPARSE_Q_BLOCK_SIZE is not a multiple of
+#   it (flex_decoding.py:330); with none left, autotune_select_algorithm raises NoValidChoicesError
+#   (select_algorithm.py:3890). So the query block must be at least the whole batch times the group;
+#   its block row 0 is the only one the kernel reads (flex_decode.py.jinja:94).
+# - the flex-attention template (everything else: 128 queries or more, a group that is not a power of two)
+#   needs SPARSE_Q_BLOCK_SIZE to be a multiple of its config's BLOCK_M (flex_attention.py:443-461; the
+#   configs' BLOCK_M are 16..128, template_heuristics/triton.py).
+PAGED_DECODE_MAX_QUERIES = 128  # flex-decoding only below this query length (flex_decoding.py:49-51)
+
+
+def paged_q_block(n: int, group: int = 1) -> int:
+    """Query items per tile of the paged mask of a stage of `n` (padded) items whose query heads share
+    a KV head in groups of `group`: below 128 items one tile of the whole batch, a power of two that both
+    lowerings accept (>= next_pow2(n * group) for flex-decoding, a multiple of 128 for the template);
+    from 128 items on, tiles of 128 (only the template runs there)."""
+    if n >= PAGED_DECODE_MAX_QUERIES:
+        return PAGED_DECODE_MAX_QUERIES
+    return max(PAGED_DECODE_MAX_QUERIES, 1 << (n * group - 1).bit_length())
+
+
+def paged_mask(ctx: PagedContext, positions: torch.Tensor, depth: torch.Tensor, depth_slots: int, R: int,
+               group: int = 1):
     """The block-sparse FlexAttention mask of one decode stage (shared by every layer that reads the
-    same depth slots): per depth slot and query tile of `q_block` items, the tile's pages at that
-    depth, valid ones first. `depth` [N]: the 0-based depth slot each item reads; R: rows per slot."""
+    same depth slots): per depth slot and query tile (`paged_q_block` items), the distinct pages its
+    items read at that depth, in ascending order. `depth` [N]: the 0-based depth slot each item reads;
+    R: rows per slot; `group`: query heads per KV head.
+
+    Every tensor the mask holds has a shape fixed by N and depth_slots alone (not by the context
+    length), so a compiled flex_attention sees one static shape per (padded batch, depth slots):
+    compile_paged_flex's recompile budget counts exactly those."""
     from torch.nn.attention.flex_attention import BlockMask
-    B, QB, dev = ctx.block_size, ctx.q_block, positions.device
+    B, dev = ctx.block_size, positions.device
     N, nb = ctx.block_table.shape
-    pad = -(-N // QB) * QB - N
-    z = lambda t, v=0: torch.cat([t, t.new_full((pad, *t.shape[1:]), v)]) if pad else t  # noqa: E731
-    valid = z(torch.arange(nb, device=dev)[None, :] * B <= positions[:, None])  # [Np, nb] pages in the context
-    bt, pos_q, depth_q = z(ctx.block_table), z(positions), z(depth)
-    at = valid[None] & (depth_q[None, :, None] == torch.arange(depth_slots, device=dev)[:, None, None])
-    at = at.reshape(depth_slots, -1, QB * nb)
-    order = torch.sort(at.to(torch.int8), dim=-1, descending=True, stable=True).indices
-    pages = bt.reshape(-1, QB * nb).expand(depth_slots, -1, -1).gather(-1, order)
-    num = at.sum(-1, dtype=torch.int32)
-    nkv = -(-R // B)  # the mask's KV block axis spans the whole storage; only the first `num` are read
-    if pages.shape[-1] >= nkv:
-        pages = pages[..., :nkv]  # a tile's valid pages are distinct blocks: at most nkv of them
-    else:
-        pages = torch.cat([pages, pages.new_zeros(*pages.shape[:-1], nkv - pages.shape[-1])], -1)
+    QB = ctx.q_block or paged_q_block(N, group)
+    nq = -(-N // QB)  # query tiles (one below 128 items)
+    nkv = -(-R // B)  # the mask's KV block axis spans the whole storage of a depth slot
+    # own[i, p]: physical block p holds part of item i's context. Table entries past the context go to
+    # the extra column nkv, dropped below; a table lists distinct blocks, so no two writes of a row collide
+    valid = torch.arange(nb, device=dev)[None, :] * B <= positions[:, None]  # [N, nb]
+    own = torch.zeros(N, nkv + 1, dtype=torch.bool, device=dev)
+    own.scatter_(1, torch.where(valid, ctx.block_table, nkv), valid)
+    # the blocks each (depth slot, tile) reads: a union, so a block that several of its items share (a
+    # cached prefix) is listed once; listed twice, the kernel would count its keys twice in the softmax
+    used = torch.zeros(depth_slots * nq, nkv + 1, dtype=torch.int32, device=dev)
+    used.index_add_(0, depth * nq + torch.arange(N, device=dev) // QB, own.to(torch.int32))
+    used = used[:, :nkv].view(depth_slots, nq, nkv) > 0
+    num = used.sum(-1, dtype=torch.int32)
+    pages = torch.sort(used.to(torch.int8), dim=-1, descending=True, stable=True).indices  # used ones first
     index = ctx.page_index
 
     def mask_mod(b, h, qi, kv):
+        # its own page, a row of the context (the last page is partly filled), at the item's depth slot
         page = kv // B
-        li = index[page]
-        return (bt[qi, li.clamp(max=nb - 1)] == page) & (li * B + kv % B <= pos_q[qi]) & (depth_q[qi] == b)
+        return own[qi, page] & (index[page] * B + kv % B <= positions[qi]) & (depth[qi] == b)
 
     return BlockMask.from_kv_blocks(num[:, None], pages[:, None].to(torch.int32), BLOCK_SIZE=(QB, B),
-                                    mask_mod=mask_mod, seq_lengths=(N + pad, R))
+                                    mask_mod=mask_mod, seq_lengths=(N, R))
 
 
 def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, depth: torch.Tensor, depth_slots: int,
@@ -273,17 +306,43 @@ def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, depth: 
     kc, vc [depth_slots * R, KV, D]. The storage is viewed as [depth_slots, KV, R, D] (the depth
     slot is the batch dimension, so pages stay block-aligned) and each item's query sits in the
     batch of its depth slot; a query tile reads the union of its items' pages, so the KV read per
-    stage is the sum of the contexts rounded up to whole blocks. `flex` is flex_attention (compiled
-    on CUDA); by default it runs eagerly (the CPU test path: exact, but it materialises scores)."""
+    stage is the sum of the contexts rounded up to whole blocks (a block shared by several items of a
+    tile once). `flex` is flex_attention compiled (compile_paged_flex, CUDA); by default it runs
+    eagerly (the CPU test path: exact, but it materialises scores)."""
     from torch.nn.attention.flex_attention import flex_attention
     N, H, D = q.shape
     R, KV = kc.shape[0] // depth_slots, kc.shape[1]
     K = kc.view(depth_slots, R, KV, D).transpose(1, 2)  # views: no copy of the cache
     V = vc.view(depth_slots, R, KV, D).transpose(1, 2)
-    Np = mask.shape[-2]
-    Q = q.transpose(0, 1)  # [H, N, D]
-    if Np > N:
-        Q = torch.cat([Q, Q.new_zeros(H, Np - N, D)], 1)
-    Q = Q[None].expand(depth_slots, -1, -1, -1)
-    y = (flex or flex_attention)(Q, K, V, block_mask=mask, enable_gqa=H != KV)
+    Q = q.transpose(0, 1)[None].expand(depth_slots, -1, -1, -1)  # [depth_slots, H, N, D] (the mask's Q_LEN is N)
+    options = None
+    G = H // KV
+    if flex is not None and (N >= PAGED_DECODE_MAX_QUERIES or G & (G - 1)):
+        # the flex-attention template, not flex-decoding: its KV tile must divide the page (flex_attention.py:
+        # 450-461), and its configs' BLOCK_N (32..128) exceed the 16-row default block; flex-decoding
+        # clamps its own (flex_decoding.py:327-328). Options set BLOCK_N before the configs (:444)
+        options = {"BLOCK_N": min(mask.BLOCK_SIZE[1], 128)}
+    y = (flex or flex_attention)(Q, K, V, block_mask=mask, enable_gqa=H != KV, kernel_options=options)
     return y[depth, :, torch.arange(N, device=q.device)]  # [N, H, D]
+
+
+def compile_paged_flex(num_shapes: int, backend: str = "inductor"):
+    """flex_attention compiled for the paged decode path of one runner, which meets at most
+    `num_shapes` static shapes (ModelRunner.enable_paged counts them: padded batch sizes x depth-slot
+    counts; paged_mask keeps the context length out of every shape).
+
+    - dynamic=False: flex-decoding needs static batch and head sizes (flex_decoding.py:53-54) and
+      sizes its query tile from the query length (:279-291); each shape is one compiled kernel.
+    - recompile_limit=num_shapes: Dynamo keeps 8 compiled entries per code object by default
+      (torch/_dynamo/config.py:121) and past them runs the frame uncompiled (convert_frame.py:1986-2039,
+      RUN_ONLY), i.e. eager flex_attention, which materialises [depth slots, H, N, R] scores over the
+      whole KV storage: slow at best, out of memory at worst, with one log line.
+    - fullgraph=True: at the limit Dynamo raises FailOnRecompileLimitHit instead of running eagerly
+      (convert_frame.py:2030-2033), so a shape this count missed fails loudly.
+    - isolate_recompiles=True: the count is this runner's own; without it every torch.compile of
+      flex_attention in the process (other engines, other code) shares one list of entries
+      (torch/__init__.py:2718-2732). Dynamo's global cap, accumulated_recompile_limit (256 entries of
+      the code object over all regions: _dynamo/cache_size.py:100-103), still applies, also loudly."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True, recompile_limit=num_shapes,
+                         isolate_recompiles=True, backend=backend)
