@@ -91,12 +91,14 @@ def grid(modes=MODES, layouts=LAYOUTS, archs=None):
     return cases if archs is None else [(a, *c) for a in archs for c in cases]
 
 
-def engine_settings(mode, layout, lookahead, pipeline=None, **kw):
-    """EngineConfig keywords for one grid point (`pipeline` defaults to lookahead outside CB)."""
+def engine_settings(mode, layout, lookahead, pipeline=None, async_scheduling=True, **kw):
+    """EngineConfig keywords for one grid point (`pipeline` defaults to lookahead outside CB). On-device
+    token re-entry is on, as on CUDA (the CPU default is off), unless the test turns it off (speculation
+    needs it off: EngineConfig.refuse)."""
     if pipeline is None:
         pipeline = lookahead and mode != "cb"
     return dict(kv_layout=layout, exit_threshold=THRESHOLD, lookahead=lookahead, pipeline=pipeline,
-                **MODES_KBIG[mode], **kw)
+                async_scheduling=async_scheduling, **MODES_KBIG[mode], **kw)
 
 
 def run_staggered(eng, reqs, seed, join=0.4, burst=3, **params):

@@ -63,7 +63,7 @@ SETTINGS = {
     "cb": engine_settings("cb", "shared", False),
     "lookahead-pipeline": engine_settings("norefill", "full_depth", True),
     "separate-prefill": dict(engine_settings("refill_k1", "last_exited", False), prefill="separate"),
-    "speculation": dict(engine_settings("refill_k1", "last_exited", False), speculative_tokens=2),
+    "speculation": dict(engine_settings("refill_k1", "last_exited", False, async_scheduling=False), speculative_tokens=2),
     "swap": dict(engine_settings("refill_k1", "last_exited", False), kv_cache_tokens=64),
 }
 
@@ -185,29 +185,42 @@ def gated(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", sorted(SYNC_SETTINGS))
-def test_host_syncs_per_stage_kind(arch, name):
+@pytest.mark.parametrize("reentry", [False, True])
+def test_host_syncs_per_stage_kind(arch, name, reentry):
     """0 per prelude (preloop: its one read of the depth CDFs), 0 per core step at full depth or under
     preloop (1 otherwise: its exit scores), at most 1 per stage that emits (its sampled ids), with or
     without prompt chunks riding along; never a data-dependent shape, a host-made tensor or a
-    transfer outside the one upload. Fails on the old code: 4 x 12 reads at full depth (scores read
+    transfer outside the one upload. With on-device token re-entry the sampled ids of an emitting
+    stage are read in the next step that launches anything but a prelude: a prelude step then reads
+    nothing of them, a core or emitting step at most one more (and every emitting stage is read once
+    in all). Fails on the old code: 4 x 12 reads at full depth (scores read
     and never used), a pageable torch.tensor per mixed coda, a boolean mask and host tensors per
     prefill. (Not covered: speculation, which runs eagerly and reads per step; a seeded request's own
     generator, which draws on the host row by row; log-probs, one read per row that asks.)"""
     settings, params = SYNC_SETTINGS[name]
     m = gated(arch) if name == "preloop" else model(arch)
-    eng = LLMEngine(m, EngineConfig(kv_cache_tokens=512, max_batch_size=4, **settings))
+    eng = LLMEngine(m, EngineConfig(kv_cache_tokens=512, max_batch_size=4, **{**settings, "async_scheduling": reentry}))
     per, calls = _syncs_per_stage(eng, random_requests(stable_seed("syncs", arch, name), n=5, prompt_len=(2, 20),
                                                        max_new=(2, 8)), **params)
     full = name in ("full-depth", "cb") or name == "preloop"
     budget = {"prelude": int(name == "preloop"), "core": 0 if full else 1, "coda": 1, "fused": 1, "prefill": 1}
+    if reentry:  # the previous emitting stage's ids, read one launch late (never in a prelude step)
+        budget["core"] += 1
     for (stage, chunked), events in per.items():
         assert set(k for k, _ in events) <= {"read"}, (stage, chunked, events)
         reads = sum(events.values())
         assert reads <= budget[stage] * calls[stage, chunked], (stage, chunked, calls[stage, chunked], events)
+    if reentry:  # one read per emitting stage in all, plus the scores
+        kinds = Counter()
+        for (st, _), n in calls.items():
+            kinds[st] += n
+        emits = kinds["coda"] + kinds["fused"] + kinds["prefill"]
+        scores = kinds["prelude"] if name == "preloop" else 0 if full else kinds["core"]
+        assert sum(sum(e.values()) for e in per.values()) <= emits + scores
     if name == "chunked":
         assert any(chunked for _, chunked in calls), "no launch carried prompt chunks"
-    if name == "full-depth":
-        assert calls["core", False] >= 8 and not per["core", False]
+    if name == "full-depth":  # (with re-entry a core step may read the ids of the coda before it, nothing else)
+        assert calls["core", False] >= 8 and sum(per["core", False].values()) <= reentry * calls["coda", False]
 
 
 # ---------------------------------------------------------------- capture safety

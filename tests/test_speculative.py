@@ -37,7 +37,7 @@ def test_speculation_equals_reference(arch, mode, layout, lookahead, k):
     draft = 1 + seed % 2  # draft depth 1 or 2 (r_max is 4)
     eng = LLMEngine(model(arch), EngineConfig(max_batch_size=4, max_prefill_tokens=16, kv_cache_tokens=512,
                                               speculative_tokens=k, draft_depth=draft,
-                                              **engine_settings(mode, layout, lookahead)))
+                                              **engine_settings(mode, layout, lookahead, async_scheduling=False)))
     seqs = run_staggered(eng, random_requests(seed % 4, max_new=(4, 12)), seed, join=0.3)
     for i, (s, r) in enumerate(zip(seqs, want)):
         assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths, f"seed {seed}, request {i}"
@@ -68,7 +68,7 @@ def test_speculation_with_preemption_is_exact(arch, mode, lookahead):
     seed = stable_seed("spec-swap", arch, mode)
     print("seed", seed)
     reqs = random_requests(seed, n=5, prompt_len=(2, 8), max_new=(6, 12))
-    base = dict(max_batch_size=8, block_size=4, prefill="separate", **engine_settings(mode, "last_exited", lookahead))
+    base = dict(max_batch_size=8, block_size=4, prefill="separate", **engine_settings(mode, "last_exited", lookahead, async_scheduling=False))
     want = triples(run_staggered(LLMEngine(model(arch), EngineConfig(kv_cache_tokens=1024, **base)), reqs, seed))
     eng = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=28, watermark=0.0, speculative_tokens=3, **base))
     got = triples(run_staggered(eng, reqs, seed))

@@ -79,6 +79,10 @@ class BatchState:
         self.pos, self.step = self.slot_meta.unbind(1)
         self.bt = self._flat[2 * S:].view(S, MB)
         self._j = torch.arange(MB * B, **long)  # context offsets, sliced per stage
+        # on-device token re-entry (EngineConfig.async_scheduling): each slot's last sampled id, written
+        # on the device by the stage that sampled it (ModelRunner.reenter); a prelude or fused item
+        # whose token the host has not read yet is uploaded as -1 and embeds this one instead
+        self.tok = torch.zeros(S, **long)
         # paged attention (stages.paged_attention): decode attention reads each item's own blocks
         # through the block tables instead of gathering every context to the longest. Off by
         # default: on CUDA it needs scripts/gpu_check.py's parity and speed check first.
@@ -166,7 +170,7 @@ class BatchState:
         nb = max(map(nblk.__getitem__, slots)) if context and slots else 1
         n, N = len(seqs), self.padded(len(seqs))
         head = slots + [self.scratch_slot] * (N - n)
-        if tokens:  # the token each item embeds: its last output
+        if tokens:  # the token each item embeds: its last output (-1 while on the device: BatchState.tok)
             head += [s.output_ids[-1] for s in seqs] + [0] * (N - n)
         k = len(idx)
         buf = self.to_device(array("q", head + idx + val + new_pages if self.paged else head + idx + val))
@@ -224,6 +228,7 @@ class BatchState:
         if stage.reads_tokens:
             N = inp.shape[0] // 2
             slots, ids = inp[:N], inp[N:]
+            ids = torch.where(ids >= 0, ids, self.tok[slots])  # -1: the id the device sampled (re-entry)
             self.pos.index_add_(0, slots, (slots != self.scratch_slot).long())
         else:
             slots, ids = inp, None

@@ -76,6 +76,11 @@ class EngineConfig:
     cuda_graphs: bool | None = _f(None, "CUDA graphs for decode stages; default: on for CUDA devices")
     pipeline: bool | None = _f(None, "lookahead pipeline (launch step t before reading t-1's scores); default: "
                                      "on for CUDA with lookahead")
+    async_scheduling: bool | None = _f(None, "on-device token re-entry (vLLM's name): a stage's sampled ids feed the "
+                                             "next prelude on the device and the host reads them one launch later, "
+                                             "so the GPU does not idle through sampling, output processing and "
+                                             "scheduling; a stop found late discards the extra work; default: on "
+                                             "for CUDA devices without speculative_tokens")
     speculative_tokens: int = _f(0, "self-speculative decoding: verify windows of k positions (the current token and "
                                     "k-1 tokens drafted at draft_depth loops) in one depth-major pass; greedy "
                                     "requests only, exact; 0 = off (refused with shared, first_then_shared and the "
@@ -122,6 +127,10 @@ class EngineConfig:
                                                        f"{self.gpu_memory_utilization!r}")
         if not 0 <= self.watermark < 1:
             raise ParamError("watermark", f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.async_scheduling and self.speculative_tokens:
+            raise ParamError("async_scheduling", "async_scheduling=True does not combine with speculative_tokens: a "
+                                                 "speculative stage drafts from the tokens on the host, so each "
+                                                 "stage's ids must reach the host before the next is scheduled")
         if self.pipeline and self.lookahead is False:
             raise ParamError("pipeline", "pipeline=True needs lookahead=True (the exit signal must come one step "
                                          "early)")
@@ -183,6 +192,7 @@ class EngineConfig:
             enable_prefix_caching=_default(self.enable_prefix_caching, depth_exact and self.prefill == "mixed"),
             cuda_graphs=_default(self.cuda_graphs, on_cuda),
             pipeline=_default(self.pipeline, on_cuda and pol.lookahead),
+            async_scheduling=_default(self.async_scheduling, on_cuda and not self.speculative_tokens),
             kv_cache_memory=self.kv_cache_memory or (CPU_KV_MEMORY if no_pool and not on_cuda else None))
 
     def exit_policy(self, cfg: LoopConfig) -> ExitPolicy:

@@ -21,11 +21,12 @@ from looplm.policy import ExitTracker
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
-from .output import OutputProcessor
-from .runner import ModelRunner, Runner
+from .batch_state import to_device
+from .output import OutputProcessor, Pending
+from .runner import Emitted, ModelRunner, Runner, SpecOut
 from .sampler import Sampler
 from .sampling import SamplingParams, check_prompt, check_token_ids
-from .scheduler import Scheduler, Work
+from .scheduler import Scheduler, Scores, Work
 from .sequence import Sequence, Stage
 from .trace import TraceRow, trace_row
 
@@ -35,6 +36,17 @@ STAGE_NAMES = {s: s.value for s in Stage}  # (Enum.value is a descriptor call: t
 # the stages whose output goes through the output processor: those that end with logits, and a
 # speculative stage (its verified rows, OutputProcessor._accept)
 EMITS = frozenset(s for s in Stage if s.emits) | {Stage.SPEC}
+
+
+class KeptScores:
+    """Scores of a launch read for some of its items only (`keep`: their indices)."""
+
+    def __init__(self, scores: Scores, keep: list[int]):
+        self.scores, self.keep = scores, keep
+
+    def get(self) -> list[float]:
+        v = self.scores.get()
+        return [v[i] for i in self.keep]
 
 
 @dataclass
@@ -109,6 +121,9 @@ class LLMEngine:
                                                     "verified_tokens", "draft_launches", "verify_launches"), 0)}
         # logits -> tokens, depths, log-probs, text, stop rules, finish (output.py)
         self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, cfg.r_max, c.seed, self.stats)
+        # on-device token re-entry (c.async_scheduling): the ids of the last stage that emitted, still on
+        # the device; read after the next launch that is not a prelude (step, _resolve)
+        self._pending: Pending | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -160,24 +175,67 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
-        """Run one stage. Returns the sequences that produced a token (or finished) in it."""
+        """Run one stage. Returns the sequences whose new token the host learnt (or that finished)
+        in it: those of this stage, or, with on-device token re-entry, those of the last stage that
+        emitted (their ids are read after this launch; `_resolve`)."""
         work = self.scheduler.schedule()
         self._swap(self.scheduler.take_swaps())
         if work is None:
-            return []
+            return self._resolve(None, None)[0] if self._pending is not None else []
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
         out = self._launch(work) if self.on_launch else self.runner.run(work)
+        # Re-entry: the ids of the last stage that emitted are read now that the device has this launch
+        # queued behind it (a prelude's is too short to hide the host's output processing behind:
+        # the next launch, a core step, does)
+        resolved: list[Sequence] = []
+        if self._pending is not None and work.stage is not Stage.PRELUDE:
+            resolved, out = self._resolve(work, out)
         if work.stage not in EMITS:  # a core step's exit scores (preloop: the prelude's CDFs)
             self.scheduler.postprocess(work, scores=out)
             self._count(work, out, record)
-            return []
-        self.scheduler.postprocess(work, finished=self.processor.process(work, out))
+            return resolved
+        if self.config.async_scheduling and self.processor.can_defer(work, out):
+            self._pending, finished = self.processor.defer(work, out, self.runner)
+            emitted: list[Sequence] = []
+        else:
+            finished = self.processor.process(work, out)
+            emitted = work.seqs + work.finals if work.finals else work.seqs
+        self.scheduler.postprocess(work, finished=finished)
         self._count(work, out, record)
-        return work.seqs + work.finals if work.finals else work.seqs
+        return resolved + emitted if resolved else emitted
+
+    def _resolve(self, work: Work | None, out):
+        """Read the pending ids (OutputProcessor.resolve) and apply their stops: a sequence that
+        stops now (a stop token or string found one launch late) leaves the scheduler, and if the
+        launch just made (`work`, `out`) carried it, it leaves that stage's batch and output too,
+        so its extra work is discarded exactly (it wrote only its own KV rows and state slot, which
+        are freed). Returns the sequences resolved and the stage's output."""
+        p, self._pending = self._pending, None
+        finished = self.processor.resolve(p)
+        if finished:
+            for s in p.seqs:
+                reason = finished.get(s.seq_id)
+                if reason is not None:
+                    self.scheduler.finish(s, reason)  # (out of its queue; a retired one gets its reason)
+            if work is not None and any(s.finish_reason is not None for s in work.seqs):
+                out = self._without_finished(work, out)
+        return p.seqs, out
+
+    def _without_finished(self, work: Work, out):
+        """`work` and its output without the decode items that stopped after it was launched."""
+        keep = [i for i, s in enumerate(work.seqs) if s.finish_reason is None]
+        n = len(work.seqs)
+        work.seqs = [work.seqs[i] for i in keep]
+        if out is None or isinstance(out, SpecOut):  # (no speculation under re-entry: EngineConfig.refuse)
+            return out
+        if isinstance(out, Emitted):  # decode rows, then the final chunks' rows
+            rows = to_device(keep + list(range(n, out.logits.shape[0])), out.logits.device)
+            return Emitted(out.logits.index_select(0, rows), out.prompt_logits)
+        return KeptScores(out, keep)
 
     def _launch(self, work: Work):
         """`runner.run` with the instruments of `on_launch` around it: each is called with
@@ -247,9 +305,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ outputs
     def output(self, s: Sequence) -> RequestOutput:
+        n = s.num_resolved  # (a token whose id is still on the device is not shown yet)
         return RequestOutput(
-            request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids),
-            exit_depths=list(s.exit_depths), finish_reason=s.finish_reason, text=s.text,
+            request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=s.output_ids[:n],
+            exit_depths=s.exit_depths[:n], finish_reason=s.finish_reason, text=s.text,
             prompt=s.text_prompt, logprobs=list(s.logprobs) if s.params.logprobs else None,
             metrics={"arrival_time": s.arrival_time, "first_token_time": s.first_token_time,
                      "finish_time": s.finish_time, "token_times": list(s.token_times)})

@@ -117,7 +117,8 @@ def launch_peaks(model: LoopedLM, c: EngineConfig) -> dict[str, int]:
     def decode() -> TokenBatch:  # built inside the measured call, as BatchState.gather builds it in the body
         j = torch.arange(L, **long)
         ctx = torch.zeros(b, -(-L // B), **long)[:, j // B] * B + j % B  # (every block is the layout's one)
-        return TokenBatch(ids=torch.zeros(b, **long), positions=torch.full((b,), L - 1, **long), rows=ctx[:, 0],
+        # ids and rows are tensors of their own, as the gather's are (the re-entry select; the rows computed)
+        return TokenBatch(ids=torch.zeros(b, **long), positions=torch.full((b,), L - 1, **long), rows=ctx[:, 0].clone(),
                           steps=torch.ones(b, **long), ctx_rows=ctx, ctx_len=torch.full((b,), L, **long))
 
     def core() -> None:  # one CDB core step with the engine's exit criterion (kl / entropy: coda + head too)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import time
 from operator import attrgetter
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .sampler import Sampler
 from .sampling import find_stop
-from .scheduler import Work
+from .scheduler import Scores, Work
 from .sequence import Sequence, Stage
 
 if TYPE_CHECKING:
@@ -47,6 +47,14 @@ def prompt_logprobs(s: Sequence, logits: torch.Tensor) -> None:
     s.prompt_top_logprobs = [None] + [top_logprobs(logp[j], k, ids[j + 1]) for j in range(len(ids) - 1)]
 
 
+class Pending(NamedTuple):
+    """A stage's ids left on the device (OutputProcessor.defer): its rows' sequences, the pending
+    copies of their ids and (None: no row asked) of the chosen tokens' log-probs."""
+    seqs: list[Sequence]
+    ids: Scores
+    logprobs: Scores | None
+
+
 class OutputProcessor:
     def __init__(self, sampler: Sampler, tokenizer, r_full: int, seed: int, stats: dict):
         """`r_full`: the depth of a prompt's first token; `stats`: the engine's token counters
@@ -55,6 +63,10 @@ class OutputProcessor:
         self.r_full, self.seed, self.stats = r_full, seed, stats
         self.sampling: set[int] = set()  # seq_ids of the unfinished requests that sample (Sequence.sampled)
         self.extras: set[int] = set()  # seq_ids of the unfinished requests with extras (Sequence.extras)
+        # seq_ids of the unfinished requests whose token only the host can choose or score: teacher
+        # forcing, a seeded draw (the request's own host generator), top log-probs; a stage with one
+        # of them does not re-enter its ids on the device (can_defer)
+        self.host_rows: set[int] = set()
         self._detok: dict[int, IncrementalDetokenizer] = {}  # by seq_id, while a request decodes
 
     def add(self, s: Sequence) -> None:
@@ -66,6 +78,8 @@ class OutputProcessor:
             self.sampling.add(s.seq_id)
         if s.extras:
             self.extras.add(s.seq_id)
+        if s.forced is not None or (s.sampled and p.seed is not None) or p.top_logprobs:
+            self.host_rows.add(s.seq_id)
 
     def process(self, work: Work, out: Emitted | SpecOut) -> dict[int, str]:
         """Sample the next token of each row of a stage that emits and apply it to its sequence;
@@ -77,9 +91,15 @@ class OutputProcessor:
         logits, prompt = out
         chosen = self.sampler(logits, seqs, bool(self.sampling))  # one batched call, one device-to-host copy
         now = time.perf_counter()
+        depths = self._depths(work, seqs, now, prompt)
+        return self._apply(seqs, chosen, depths, logits, now)
+
+    def _depths(self, work: Work, seqs: list[Sequence], now: float, prompt: dict | None = None) -> list[int]:
+        """The exit depth of each row of a stage that emits, counted into the engine's stats: a
+        decode item's loop steps (fused: the iteration's); a prompt's first token is at full depth
+        (a prefill's prompt has no loop steps, a final chunk has r_full). Stamps the prompts' first
+        token time (`now`; None: when its id is read) and their prompt log-probs."""
         n = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # decode rows; the rest: first tokens
-        # the exit depths: a decode item's loop steps (fused: the iteration's); a prompt's first token
-        # is at full depth (a prefill's prompt has no loop steps, a final chunk has r_full)
         fused = work.r_max if work.stage is Stage.FUSED else 0
         if fused:
             depths = [fused] * n
@@ -90,26 +110,94 @@ class OutputProcessor:
         if n < len(seqs):  # prompts' first tokens
             r_full = self.r_full
             for s in seqs[n:]:
-                s.first_token_time = now
+                if now is not None:
+                    s.first_token_time = now
                 if prompt is not None and s.seq_id in prompt:
                     prompt_logprobs(s, prompt[s.seq_id])
                 depths.append(fused or s.step or r_full)
         self.stats["tokens"] += n  # the prompts' full-depth tokens stay out of the mean exit depth
-        return self._apply(seqs, chosen, depths, logits, now)
+        return depths
+
+    # ------------------------------------------------------------------ on-device token re-entry
+    def can_defer(self, work: Work, out: Emitted) -> bool:
+        """Whether a stage's ids can stay on the device for now (EngineConfig.async_scheduling): no
+        row whose token only the host can choose or score (`host_rows`), no prompt log-probs."""
+        if out.prompt_logits is not None or work.stage is Stage.SPEC:
+            return False
+        if self.host_rows:
+            rows = self.host_rows
+            return not any(s.seq_id in rows for s in (work.seqs + work.finals if work.finals else work.seqs))
+        return True
+
+    def defer(self, work: Work, out: Emitted, runner) -> tuple[Pending, dict[int, None]]:
+        """A stage's ids sampled on the device and left there: `runner.reenter` makes them the next
+        prelude's tokens, `runner.to_host` starts their copy to the host (and the log-probs' of rows
+        that ask). Each row gets a placeholder token (-1, `Sequence.pending`) and its exit depth now;
+        `resolve` fills in the id, its time and log-prob, and applies the stop rules. Returns the
+        pending read and the sequences that reach their length limit with this token (by seq_id):
+        they stop whatever the id is, so the scheduler frees them now and no launch runs them again
+        (their finish reason comes with the id)."""
+        seqs = work.seqs + work.finals if work.finals else work.seqs
+        logits = out.logits
+        ids = self.sampler.device_ids(logits, seqs, bool(self.sampling))
+        runner.reenter(seqs, ids)
+        n = len(seqs)
+        lps = None
+        if self.extras:  # rows that ask for the chosen token's log-prob (forced / top rows are host rows)
+            lps = runner.to_host(torch.log_softmax(logits.double(), -1).gather(1, ids[:, None])[:, 0], n)
+        pending = Pending(seqs, runner.to_host(ids, n), lps)
+        depths = self._depths(work, seqs, None)
+        done: dict[int, None] = {}
+        for s, d in zip(seqs, depths):
+            out_ids = s.output_ids
+            out_ids.append(-1)
+            s.pending = 1
+            s.exit_depths.append(d)
+            if len(out_ids) >= s.max_out:
+                done[s.seq_id] = None
+        return pending, done
+
+    def resolve(self, p: Pending) -> dict[int, str]:
+        """Read a deferred stage's ids (waiting for that launch only) and apply them: each row's
+        placeholder becomes its id, with its time and log-prob, and the stop rules run. Returns the
+        finish reason of each sequence that stops (by seq_id). A sequence aborted meanwhile gets its
+        id and nothing else."""
+        toks = p.ids.get()
+        lps = p.logprobs.get() if p.logprobs is not None else None
+        now = time.perf_counter()
+        live, chosen = [], []
+        for i, (s, tok) in enumerate(zip(p.seqs, toks)):
+            s.output_ids[-1] = tok
+            s.pending = 0
+            if s.finish_reason is not None:  # aborted
+                continue
+            s.token_times.append(now)
+            if s.first_token_time is None:
+                s.first_token_time = now
+            if lps is not None and s.params.logprobs:
+                s.logprobs.append(lps[i])
+            live.append(s)
+            chosen.append(tok)
+        return self._rules(live, chosen, now)
 
     def _apply(self, seqs: list[Sequence], chosen: list[int], depths: list[int], logits: torch.Tensor,
                now: float) -> dict[int, str]:
         """Each row's token (`chosen`, at exit depth `depths`) to its sequence, and the stop rules."""
         if self.extras:  # a running request wants forced tokens or log-probs: those rows first
             self._extras(seqs, chosen, logits)
-        finished: dict[int, str] = {}
-        text = self.tokenizer is not None
         for s, tok, d in zip(seqs, chosen, depths):
-            out_ids = s.output_ids
-            out_ids.append(tok)
+            s.output_ids.append(tok)
             s.exit_depths.append(d)
             s.token_times.append(now)
-            # the stop rules
+        return self._rules(seqs, chosen, now)
+
+    def _rules(self, seqs: list[Sequence], chosen: list[int], now: float) -> dict[int, str]:
+        """The stop rules, after each row's token joined its sequence: a stop token, the length, the
+        stop strings (with a tokenizer, which also brings the text up to date)."""
+        finished: dict[int, str] = {}
+        text = self.tokenizer is not None
+        for s, tok in zip(seqs, chosen):
+            out_ids = s.output_ids
             if tok in s.stop_ids:
                 reason = "stop"
             elif len(out_ids) >= s.max_out:
@@ -217,6 +305,7 @@ class OutputProcessor:
         self._detok.pop(s.seq_id, None)
         self.sampling.discard(s.seq_id)
         self.extras.discard(s.seq_id)
+        self.host_rows.discard(s.seq_id)
 
     def check(self, seqs: Iterable[Sequence]) -> None:
         """The oracle of the incremental bookkeeping: the set of sampling requests and the

@@ -52,7 +52,11 @@ class Runner(Protocol):
     stage (only with EngineConfig.speculative_tokens). Under the preloop criterion the prelude
     returns each item's exit-depth CDF (`Scores` of rows) and a core step None: no score is read
     during the loop. `padded`: the batch a decode launch of n items runs at. `swap`: the
-    scheduler's preemption copies, before the next stage."""
+    scheduler's preemption copies, before the next stage. On-device token re-entry
+    (EngineConfig.async_scheduling): `reenter` keeps the ids a stage sampled on the device, where the
+    next prelude (or fused) launch of those sequences embeds them; `to_host` starts the one
+    device -> host copy of a stage's sampled values, read later with `get()` (waiting for that
+    launch only)."""
 
     # decode attention traffic counters (a dict: counting; None: off; only ModelRunner counts)
     attention_stats: dict | None
@@ -67,6 +71,10 @@ class Runner(Protocol):
 
     def swap(self, ops: list[SwapOp]) -> None: ...
 
+    def reenter(self, seqs: list[Sequence], ids: torch.Tensor) -> None: ...
+
+    def to_host(self, values: torch.Tensor, n: int) -> Scores: ...
+
 
 class Emitted(NamedTuple):
     """What a stage that emits tokens returns: the logits [rows, V] of its decode items then of
@@ -77,9 +85,10 @@ class Emitted(NamedTuple):
 
 
 class PendingScores:
-    """Exit scores of a launched core step (a `Scores`). A graph's output buffer is overwritten by
-    the next replay, so the scores are copied out at once (on CUDA into pinned memory, stream-ordered);
-    an eager CPU launch's own tensor is kept as it is (`copy=False`)."""
+    """Device values the host reads later (a `Scores`): a core step's exit scores, a stage's sampled
+    ids. A graph's output buffer is overwritten by the next replay, so they are copied out at once
+    (on CUDA into pinned memory, stream-ordered, with an event); an eager CPU launch's own tensor is
+    kept as it is (`copy=False`)."""
 
     def __init__(self, scores: torch.Tensor, n: int, copy: bool = False):
         self.n = n
@@ -345,6 +354,18 @@ class ModelRunner:
             self.batch_state.invalidate(s.slot)
         return out
 
+    # ------------------------------------------------------------------ token re-entry
+    def reenter(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
+        """The ids a stage sampled [len(seqs)] (on the device) become the tokens its sequences'
+        next prelude or fused launch embeds (BatchState.tok, read where the upload sends -1), with
+        no device -> host copy in between: stream order puts this write after the stage that
+        sampled them and before the next launch."""
+        if seqs:
+            self.batch_state.tok.index_copy_(0, self._t([s.slot for s in seqs]), ids)
+
+    def to_host(self, values: torch.Tensor, n: int) -> PendingScores:
+        return PendingScores(values, n)
+
     def prefill(self, seqs: list[Sequence]) -> Emitted:
         """Whole prompts at full depth; returns the last position's logits [B, V] (and the prompt
         logits of those that ask for prompt log-probs)."""
@@ -378,7 +399,8 @@ class ModelRunner:
     def swap(self, ops: list[SwapOp]) -> None:
         """Run the scheduler's swap operations in order (see infer/engine/swap.py)."""
         host = self.__dict__.setdefault("_host_swap", {})
-        swap_ops(self.layout, [self.state, self.inj, self.aux], self.blocks.block_size, host, ops)
+        # (the re-entry token too: a sequence swapped out before its next prelude embeds it from its new slot)
+        swap_ops(self.layout, [self.state, self.inj, self.aux, self.batch_state.tok], self.blocks.block_size, host, ops)
         for op in ops:
             if op.kind == "in":
                 self.batch_state.invalidate(op.slot)  # its block table and loop state are rewritten at its next stage

@@ -104,6 +104,10 @@ class Sequence:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     forced_greedy: bool = True  # teacher forcing: every forced token so far was the argmax
+    # on-device token re-entry (EngineConfig.async_scheduling): output tokens at the end of output_ids
+    # whose ids are still on the device (a placeholder, -1, until OutputProcessor.resolve reads them);
+    # 0 or 1. Their exit depths are known; their time, log-prob and text come with the id.
+    pending: int = 0
     generator: object = None  # the request's torch.Generator (sampling with a seed)
 
     def __post_init__(self, eos_ids: frozenset[int], max_model_len: int | None) -> None:
@@ -121,6 +125,11 @@ class Sequence:
     def position(self) -> int:
         """Position of the token being decoded (the last one produced)."""
         return self.num_tokens - 1
+
+    @property
+    def num_resolved(self) -> int:
+        """Output tokens whose ids the host knows (what outputs and streams show)."""
+        return len(self.output_ids) - self.pending
 
     @property
     def finished(self) -> bool:
@@ -151,5 +160,5 @@ OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "output": (frozenset({"infer/engine/output.py"}),
                ("output_ids", "exit_depths", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
                 "text", "stop_checked", "first_token_time", "finish_time", "token_times",
-                "forced_greedy", "generator")),
+                "forced_greedy", "generator", "pending")),
 }

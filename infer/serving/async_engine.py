@@ -340,16 +340,16 @@ class AsyncEngine:
 
     def delta(self, s: Sequence, pub: _Pub) -> Delta:
         """The tokens and text `s` produced since the last delta."""
-        n0 = pub.sent_tokens
-        ids, depths = s.output_ids[n0:], s.exit_depths[n0:]
-        pub.sent_tokens = len(s.output_ids)
+        n0, n1 = pub.sent_tokens, s.num_resolved  # (a token whose id is still on the device waits: re-entry)
+        ids, depths = s.output_ids[n0:n1], s.exit_depths[n0:n1]
+        pub.sent_tokens = n1
         self.counters["generation_tokens"] += len(ids)
         lps = toks = top = echo = None
         if s.params.logprobs:
-            lps = s.logprobs[n0:]
+            lps = s.logprobs[n0:n1]
             toks = [self._tokstr(t) for t in ids]
             if s.params.top_logprobs:
-                top = [self._tops(d) for d in s.top_logprobs[n0:]]
+                top = [self._tops(d) for d in s.top_logprobs[n0:n1]]
             else:  # the chosen token only (OpenAI's logprobs=0)
                 top = [{t: lp} for t, lp in zip(toks, lps)]
         if n0 == 0 and ids and s.params.prompt_logprobs is not None:

@@ -111,6 +111,12 @@ class SimRunner:
     def padded(self, n: int) -> int:
         return padded_batch(n, self.max_batch_size, self.pad_pow2)
 
+    def reenter(self, seqs: list[Sequence], ids: torch.Tensor) -> None:
+        """(Runner.reenter: the next prelude's tokens need no device state here.)"""
+
+    def to_host(self, values: torch.Tensor, n: int) -> _Scores:
+        return _Scores(values[:n].tolist())
+
     def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
         seqs, n = work.seqs, len(work.seqs)
         if work.stage is Stage.SPEC:
