@@ -270,6 +270,10 @@ def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert set(d["host_us"]["16"]) == {"prefill", "prelude", "core", "coda", "fused"}
     assert all(v["median"] > 0 and v["p90"] >= v["median"] for v in d["host_us"]["16"].values())
+    # with on-device token re-entry: the same stages, and the reads of the ids one launch later
+    assert set(d["host_async_us"]["16"]) == {"prefill", "prelude", "core", "coda", "fused", "resolve_coda",
+                                             "resolve_fused"}
+    assert all(v["median"] > 0 for v in d["host_async_us"]["16"].values())
     att = d["attention"]["16"]
     assert att["rows_paged"] >= att["context"] > 0 and att["rows_read"] >= att["rows_paged"]
 

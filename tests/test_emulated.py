@@ -78,11 +78,12 @@ def test_wall_time_waits_for_the_predicted_time_and_matches_the_simulator():
     assert predicted > 0.1  # enough device time to see the waits
     assert wall >= predicted * 0.999 and wall <= 1.5 * predicted + 0.5, (wall, predicted)
     assert eng.runner.waited > 0.5 * predicted and cpu < wall  # it slept, it did not spin
-    # the same run on the simulator's virtual clock: the same predicted seconds and depths
+    # the same run on the simulator's virtual clock, host and device in series and the CPU path's
+    # settings (the emulated device runs them): the same predicted seconds and depths
     depths = depths_from_distribution(binomial_depths(cfg.r_max, 2.5), reqs, 0)
     cost = eng.runner.cost
-    raw = simulate_mode(cfg, reqs, {"name": "cdb", "policy": "cdb"}, cost, depths, max_batch_size=16,
-                            kv_cache_tokens=eng.config.kv_cache_tokens)
+    raw = simulate_mode(cfg, reqs, {"name": "cdb", "policy": "cdb"}, cost, depths, overlap=False, max_batch_size=16,
+                        kv_cache_tokens=eng.config.kv_cache_tokens, async_scheduling=False)
     assert raw["seconds"] == pytest.approx(predicted, rel=1e-9)
     assert [o.exit_depths for o in outs] == raw["exit_depths"]
 

@@ -77,7 +77,8 @@ def sim_knees(model: str, workload: str, num_requests: int = 1024, seed: int = 0
     cost = RooflineCost(cfg, host=HostCost.from_json(HOST_JSON) if HOST_JSON.exists() else None, attention=ATTENTION)
     out = {}
     for m in modes(model, workload):
-        raw = simulate_mode(cfg, reqs, m, cost, depths, **engine)
+        # as the emulated server runs: its CPU path (no re-entry), host and device in series
+        raw = simulate_mode(cfg, reqs, m, cost, depths, overlap=False, async_scheduling=False, **engine)
         out[m["name"]] = raw["num_requests"] / raw["seconds"]
     return out
 

@@ -97,15 +97,18 @@ SERVING_STOPS = ["\n\nUser:", "</s>", "###"]
 
 
 def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: float = 0.0,
-            count_attention: bool = False, tokenizer=None) -> dict:
+            count_attention: bool = False, tokenizer=None, async_scheduling: bool = False) -> dict:
     """Time `steps` engine steps of one policy at one batch size (or, with `count_attention`, count
     the decode attention rows instead: that pass is not timed). With a `tokenizer` (the serving
-    path), the engine detokenizes every output token and checks stop strings."""
+    path), the engine detokenizes every output token and checks stop strings. With
+    `async_scheduling` (on-device token re-entry), the reading of an emitting stage's ids, one
+    launch later (`LLMEngine._resolve`), is timed on its own (`resolve_us`) and taken out of the
+    step that ran it: the simulator charges it where the host reads the ids."""
     ctx = contexts(batch, seed, steps + 2)  # every request outlives the timed steps: full batches
     # prompts in prefill launches of their own: the no-op model has no math for a mixed launch, and
     # the timed steps are pure decode stages either way (every request is admitted before timing)
     cfg = EngineConfig(max_batch_size=batch, max_prefill_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
-                       prefill="separate", **policy)
+                       prefill="separate", async_scheduling=async_scheduling, **policy)
     eng = LLMEngine(BenchModel(), cfg, tokenizer=tokenizer, runner_cls=NoopRunner)
     if count_attention:
         eng.runner.attention_stats = {}
@@ -117,17 +120,29 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
                                        stop=SERVING_STOPS if tokenizer is not None else []))
     total: dict[str, list[float]] = {}
     runner: dict[str, list[float]] = {}
-    launch = {"seconds": 0.0}  # the runner's share of the last step (LLMEngine.on_launch)
+    resolve: list[float] = []
+    launch = {"seconds": 0.0, "resolve": 0.0}  # the runner's and the ids' read's shares of the last step
 
     def timed_run(work, seconds):
         if seconds is not None:
             launch["seconds"] = seconds
     eng.on_launch.append(timed_run)
+    if async_scheduling:
+        inner = eng._resolve
+
+        def timed_resolve(work, out):
+            t = time.perf_counter()
+            got = inner(work, out)
+            launch["resolve"] = dt = time.perf_counter() - t
+            resolve.append(dt * 1e6)
+            return got
+        eng._resolve = timed_resolve  # (an instance attribute: this engine only)
     n_steps = 0
     while n_steps < steps:
+        launch["resolve"] = 0.0
         t0 = time.perf_counter()
         eng.step()
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - launch["resolve"]
         k = eng.scheduler.last_stage.value
         total.setdefault(k, []).append(dt * 1e6)
         runner.setdefault(k, []).append(launch["seconds"] * 1e6)
@@ -140,7 +155,7 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
     return {"host_us": {k: _pct(v) for k, v in total.items()},
             "runner_us": {k: _pct(v) for k, v in runner.items()},
             "rest_us": {k: _pct([a - b for a, b in zip(total[k], runner[k])]) for k in total},
-            "attention": attn, "context_mean": sum(ctx) / batch}
+            "resolve_us": _pct(resolve) if resolve else None, "attention": attn, "context_mean": sum(ctx) / batch}
 
 
 def bench_tokenizer():
@@ -177,6 +192,22 @@ def detok_bench(n: int = 4000, tokenizer=None) -> dict:
             "incremental_us_per_token": t_inc / len(ids) * 1e6, "full_decode_us_per_token": t_full / len(ids) * 1e6}
 
 
+def onto(base: dict, run: dict, name: str) -> dict:
+    """`base` (a host table) with `run`'s re-entry table scaled onto its synchronous one (--onto);
+    the run itself is kept under `reentry_run`."""
+    scaled = {}
+    for b, row in run["host_async_us"].items():
+        for k, v in row.items():
+            stage = k.removeprefix("resolve_")
+            if b in base["host_us"] and stage in base["host_us"][b]:
+                f = base["host_us"][b][stage]["median"] / run["host_us"][b][stage]["median"]
+                scaled.setdefault(b, {})[k] = {**{q: v[q] * f for q in ("median", "p90")}, "n": v["n"], "scale": f}
+    note = (f"re-entry table (host_async_us) measured beside a synchronous one in one run ({run['command']}) and "
+            f"scaled onto {name}'s synchronous medians, stage by stage (`scale`); the run: reentry_run")
+    return {**base, "host_async_us": scaled, "host_async_note": note,
+            "reentry_run": {k: run[k] for k in ("host_us", "host_async_us", "command")}}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.bench.host", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
@@ -186,15 +217,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="passes per batch size; each stage kind reports the pass "
                    "with the lowest median (the machine's noise only adds time)")
+    p.add_argument("--onto", type=Path, default=None, metavar="FILE",
+                   help="keep FILE's synchronous tables (a committed host table that simulator figures were made "
+                        "with) and put this run's re-entry table onto it: each entry x FILE's / this run's "
+                        "synchronous median of its stage (resolve_<stage>: of <stage>), the ratio this run measured "
+                        "side by side carried over to FILE's machine phase")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "serving_host_us": {}, "attention": {},
-                 "context_mean": {},
+    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "host_async_us": {}, "serving_host_us": {},
+                 "attention": {}, "context_mean": {},
                  "command": "python -m infer.bench.host " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
                          "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
                          "lowest median; serving_host_us: the same CDB stages with a tokenizer attached (every token "
-                         "detokenized, three stop strings checked)"}
+                         "detokenized, three stop strings checked); host_async_us: the same stages with on-device "
+                         "token re-entry (async_scheduling), each step without the reading of the previous emitting "
+                         "stage's ids, which is its own entry, resolve_<stage that emitted them>"}
     tok = bench_tokenizer()
     with torch.inference_mode():
         measure(a.batches[0], CDB, a.steps, a.seed, a.temperature)  # warm-up, discarded
@@ -209,6 +247,15 @@ def main(argv: list[str] | None = None) -> None:
                     if k not in best or v["median"] < best[k]["median"]:  # the split comes from the same pass
                         for key in ("host_us", "runner_us", "rest_us"):
                             out[key].setdefault(str(b), {})[k] = got[key][k]
+                # re-entry: the same stages, and the ids' read as its own entry
+                cdb_a = measure(b, CDB, a.steps, a.seed, a.temperature, async_scheduling=True)
+                cb_a = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature, async_scheduling=True)
+                got = {**cdb_a["host_us"], "fused": cb_a["host_us"]["fused"], "resolve_coda": cdb_a["resolve_us"],
+                       "resolve_fused": cb_a["resolve_us"]}
+                best = out["host_async_us"].setdefault(str(b), {})
+                for k, v in got.items():
+                    if k not in best or v["median"] < best[k]["median"]:
+                        best[k] = v
                 served = measure(b, CDB, a.steps, a.seed, a.temperature, tokenizer=tok[0])["host_us"]
                 best = out["serving_host_us"].setdefault(str(b), {})
                 for k, v in served.items():
@@ -218,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                                                count_attention=True)["attention"]
             out["context_mean"][str(b)] = cdb["context_mean"]
     out["detokenize_4000"] = detok_bench(4000, tok)
+    if a.onto is not None:
+        out = onto(json.loads(a.onto.read_text()), out, str(a.onto))
     text = json.dumps(out, indent=1)
     print(text)
     if a.out is not None:

@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", default="sdpa", choices=("context", "paged", "sdpa"),
                    help="decode attention's KV reads: the engine's SDPA gather (CUDA path today), a paged "
                         "kernel, or the ideal real context")
+    p.add_argument("--serial-host", action="store_true",
+                   help="charge each launch's host time and device time in series (the simulator before on-device "
+                        "token re-entry); default: the host works beside the device and waits only where the engine "
+                        "reads results (SimRunner)")
     p.add_argument("--replay-exits", type=Path, metavar="FILE",
                    help="a recorded-exits file (infer.bench --record-exits): its requests' lengths and the depths "
                         "its scores decide, instead of --mean-depth's binomial and the trace")
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx,
                                  vocab_size=cfg.vocab_size)
             depths = depths_from_distribution(probs, reqs, a.seed)
-        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, **engine)
+        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, overlap=not a.serial_host, **engine)
         if replay is not None:
             blk["replayed_exits"] = {"file": str(a.replay_exits), "model": replay["model"], "policy": {
                 "criterion": pol.criterion, "threshold": pol.threshold, "r_min": pol.r_min, "lookahead": pol.lookahead}}
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"model": a.model, "config": cfg.name, "layer_split": a.layer_split and split_of(cfg),
             "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
-            "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine, "num_requests": a.num_requests,
+            "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine,
+            "host_overlap": not a.serial_host, "num_requests": a.num_requests,
             "exit_depth_distribution": None if replay else probs, "mean_exit_depth_assumed": None if replay else mean,
             "replay_exits": str(a.replay_exits) if replay else None, "simulated": True,
             "command": "python -m infer.sim " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -47,18 +47,36 @@ class Call:
 
 class HostCost:
     """Measured host time per stage call (`python -m infer.bench.host` JSON: median microseconds at
-    a few batch sizes), linear in the batch size between the measured points, flat outside them."""
+    a few batch sizes), linear in the batch size between the measured points, flat outside them.
+    `reentry`: the same with on-device token re-entry (its `host_async_us`), where an emitting
+    stage's ids are read one launch later: those reads are their own entries, `resolve_<stage>`
+    (None: not measured; re-entry is then charged the synchronous table and no read)."""
 
-    def __init__(self, table: dict[str, dict[str, dict]]):
+    def __init__(self, table: dict[str, dict[str, dict]], reentry: dict[str, dict[str, dict]] | None = None):
+        self.points = self._points(table)
+        self.reentry = self._points(reentry) if reentry else None
+
+    @staticmethod
+    def _points(table: dict[str, dict[str, dict]]) -> dict[str, list[tuple[int, float]]]:
         stages = {k for v in table.values() for k in v}
-        self.points = {k: sorted((int(b), v[k]["median"] * 1e-6) for b, v in table.items() if k in v) for k in stages}
+        return {k: sorted((int(b), v[k]["median"] * 1e-6) for b, v in table.items() if k in v) for k in stages}
 
     @classmethod
     def from_json(cls, path: Path) -> HostCost:
-        return cls(json.loads(Path(path).read_text())["host_us"])
+        data = json.loads(Path(path).read_text())
+        return cls(data["host_us"], data.get("host_async_us"))
 
-    def __call__(self, stage: Stage, batch: int) -> float:
-        pts = self.points[stage.value]
+    def __call__(self, stage: Stage, batch: int, reentry: bool = False) -> float:
+        table = self.reentry if reentry and self.reentry is not None else self.points
+        return self._at(table[stage.value], batch)
+
+    def resolve(self, stage: Stage, batch: int) -> float:
+        """Re-entry: the host's read of the ids `stage` emitted (stop rules, output processing)."""
+        pts = self.reentry and self.reentry.get("resolve_" + stage.value)
+        return self._at(pts, batch) if pts else 0.0
+
+    @staticmethod
+    def _at(pts: list[tuple[int, float]], batch: int) -> float:
         if batch <= pts[0][0]:
             return pts[0][1]
         for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
@@ -133,9 +151,15 @@ class RooflineCost:
     def _overhead(self, c: Call) -> float:
         return self.host_seconds(c.stage, c.padded)
 
-    def host_seconds(self, stage: Stage, padded: int) -> float:
-        """The host's share of a stage call (the measured table, else the constant overhead)."""
-        return self.host(stage, padded) if self.host is not None else self.overhead
+    def host_seconds(self, stage: Stage, padded: int, reentry: bool = False) -> float:
+        """The host's share of a stage call (the measured table, else the constant overhead); with
+        `reentry`, the host's work for it under on-device token re-entry (HostCost)."""
+        return self.host(stage, padded, reentry) if self.host is not None else self.overhead
+
+    def resolve_seconds(self, stage: Stage, padded: int) -> float:
+        """Re-entry: the host's read, one launch later, of the ids a `stage` call emitted (0 without
+        a measured table: the constant overhead has no such part)."""
+        return self.host.resolve(stage, padded) if self.host is not None else 0.0
 
     def __call__(self, c: Call) -> float:
         cfg, db = self.cfg, self.dtype_bytes

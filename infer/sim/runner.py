@@ -60,10 +60,15 @@ class SimModel:
 
 
 class _Scores:
-    def __init__(self, scores: list[float]):
-        self.scores = scores
+    """Values the host reads later (a core step's exit scores, `to_host`'s ids): reading them waits,
+    on the runner's clocks, for the launch that made them (`SimRunner.read`)."""
+
+    def __init__(self, scores: list[float], runner: SimRunner | None = None, end: float = 0.0):
+        self.scores, self.runner, self.end = scores, runner, end
 
     def get(self) -> list[float]:
+        if self.runner is not None:
+            self.runner.read(self.end)
         return self.scores
 
 
@@ -71,14 +76,26 @@ class SimRunner:
     """A `Runner` on a virtual clock (see the module docstring): ModelRunner's constructor, each
     `run` charges the cost model's time for the stage and batch, each `swap` the bytes a
     preemption moves (KV blocks + the state slot, each way) at `pcie_bandwidth` bytes/s. Swaps are
-    charged in series with the stages: ModelRunner queues its copies on the compute stream."""
+    charged in series with the stages: ModelRunner queues its copies on the compute stream.
+
+    Two clocks, as on a GPU (`overlap`): the host's, which pays each launch's host share (the cost
+    model's `host_seconds`: scheduling, upload, output processing) before it launches, and the
+    device's, which runs the launches in order, each starting when both the host has launched it
+    and the device has finished the one before. The host waits for the device only where the
+    engine reads a launch's results: a core step's exit scores when the scheduler reads them (at
+    once, or one core step late with the lookahead pipeline), an emitting stage's rows before its
+    next launch (the sampler reads them), or, with on-device token re-entry (`reentry`), when the
+    engine reads the ids it copied out (`to_host`), one launch later, and then also pays that
+    read's host time (`resolve_seconds`). `overlap=False`: the host waits for every launch (the
+    cost of a step is host + device, in series: the emulated device's wall-clock pacing). A cost
+    model without a host share (FittedCost) is device time only, which the overlap leaves as it is."""
 
     attention_stats = None  # (Runner.attention_stats: only ModelRunner counts KV rows read)
     device_info = None  # (Runner.device_info: the emulated device names the GPU it stands for)
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
                  cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, acceptance: float = 1.0,
-                 acceptance_seed: int = 0, **_):
+                 acceptance_seed: int = 0, overlap: bool = False, reentry: bool = False, **_):
         self.model, self.cfg, self.blocks = model, model.cfg, blocks
         # speculation: each drafted token is accepted with probability `acceptance` (seeded draws)
         self.acceptance, self._accept_rng = acceptance, random.Random(f"accept:{acceptance_seed}")
@@ -89,12 +106,47 @@ class SimRunner:
         self.fill_slots = layout_class(kv_layout).fill_slots  # (cfg, exit depth) -> slots its on_exit copies
         self.slot_bytes = state_slot_bytes(model, criterion)
         self.pcie_bandwidth = pcie_bandwidth
-        self.clock = 0.0
+        self.overlap, self.reentry = overlap, reentry
+        self.host_at = self.device_at = 0.0  # the host's clock; when the device has run everything launched
+        # the last emitting launch: its end, and the host's cost of reading its ids one launch later
+        # (re-entry); `_unread`: its end while the host still reads its rows at once (no to_host);
+        # `_reads`: launch end -> the host cost of the first read of its copied-out ids (ids and
+        # log-probs are two copies, one read)
+        self._emitted: tuple[float, float] = (0.0, 0.0)
+        self._unread: float | None = None
+        self._reads: dict[float, float] = {}
         self.swap_seconds = 0.0
         self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
         self.trace: list[TraceRow] = []
         self.first_at: dict[int, float] = {}  # seq_id -> virtual time of its first / latest token
         self.last_at: dict[int, float] = {}
+
+    @property
+    def clock(self) -> float:
+        """Virtual seconds so far: when both the host and the device are done."""
+        return max(self.host_at, self.device_at, self._unread or 0.0)
+
+    def _charge(self, device: float, host: float = 0.0) -> float:
+        """One launch on the clocks (class docstring); returns when it ends on the device."""
+        if self._unread is not None:  # the host read the last emitting launch's rows before this launch
+            self.host_at = max(self.host_at, self._unread)
+            self._unread = None
+        self.host_at += host
+        self.device_at = end = max(self.host_at, self.device_at) + device
+        if not self.overlap:
+            self.host_at = end
+        return end
+
+    def read(self, end: float) -> None:
+        """The host reads results of the launch that ends at `end`: it waits for it."""
+        self.host_at = max(self.host_at, end) + self._reads.pop(end, 0.0)
+
+    def _split(self, stage: Stage, padded: int, t: float) -> tuple[float, float]:
+        """(device, host) seconds of a launch the cost model prices at `t` in all."""
+        share = getattr(self.cost, "host_seconds", None)
+        if share is None:
+            return t, 0.0
+        return t - share(stage, padded), share(stage, padded, self.reentry)
 
     def swap(self, ops: list[SwapOp]) -> None:
         for op in ops:
@@ -105,7 +157,7 @@ class SimRunner:
                 n = self._out.pop(sid, 0)
             if op.kind != "drop":
                 t = (n * self.block_bytes + self.slot_bytes) / self.pcie_bandwidth
-                self.clock += t
+                self._charge(t)
                 self.swap_seconds += t
 
     def padded(self, n: int) -> int:
@@ -115,7 +167,12 @@ class SimRunner:
         """(Runner.reenter: the next prelude's tokens need no device state here.)"""
 
     def to_host(self, values: torch.Tensor, n: int) -> _Scores:
-        return _Scores(values[:n].tolist())
+        """(Runner.to_host: the engine reads the last emitting launch's ids later, not before the
+        next launch.)"""
+        end, cost = self._emitted
+        self._unread = None
+        self._reads[end] = cost
+        return _Scores(values[:n].tolist(), self, end)
 
     def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
         seqs, n = work.seqs, len(work.seqs)
@@ -139,7 +196,7 @@ class SimRunner:
                      prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
                      finals=len(work.finals))
         t = self.cost(c)
-        self.clock += t
+        end = self._charge(*self._split(work.stage, c.padded, t))
         prefill = work.stage is Stage.PREFILL
         self.trace.append(trace_row(
             work.stage.value, n, padded=c.padded, tokens=c.tokens, context=c.context, seconds=t,
@@ -151,19 +208,23 @@ class SimRunner:
             # the launch's cost that the prompts add (weights are paid by the decode items anyway)
             prompt_seconds=(t - self.cost(c.without_prompts()) if n else t) if work.chunks else None))
         if work.stage.emits:
-            self._stamp(seqs + work.finals if work.finals else seqs)
+            self._stamp(seqs + work.finals if work.finals else seqs, end)
+            resolve = getattr(self.cost, "resolve_seconds", None)
+            self._emitted = (end, resolve(work.stage, c.padded) if resolve is not None and self.reentry else 0.0)
+            self._unread = end
         if work.stage is Stage.PRELUDE:
             return None
         if work.stage is Stage.CORE:
             # the "learned" criterion's score is an exit probability (looplm/exits.py)
-            return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs])
+            return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs], self, end)
         return Emitted(self._rows(n + len(work.finals)))
 
-    def _stamp(self, seqs: list[Sequence]) -> None:
-        """The virtual time of each sequence's first and latest token (the engine stamps wall time)."""
+    def _stamp(self, seqs: list[Sequence], at: float) -> None:
+        """The virtual time of each sequence's first and latest token, the end of the launch that
+        gave it (the engine stamps wall time)."""
         for s in seqs:
-            self.first_at.setdefault(s.seq_id, self.clock)
-            self.last_at[s.seq_id] = self.clock
+            self.first_at.setdefault(s.seq_id, at)
+            self.last_at[s.seq_id] = at
 
     def _rows(self, n: int) -> torch.Tensor:
         """Logits of n emitting rows: every token is id `spec_token` (1)."""
@@ -193,13 +254,15 @@ class SimRunner:
             n = len(idx)
             t = self.cost(Call(launch.stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
                                rows_paged=sum(-(-x // bs) * bs for x in ctx)))
-            self.clock += t
+            # (the plan reads each core launch's exits before its next launch: a read per launch)
+            end = self._charge(*self._split(launch.stage, n, t))
+            self.read(end)
             launches[launch.phase] += 1
             rows.append(spec_row(launch, sum(ctx), self.cfg.r_max, t, int(launch.stage is Stage.CORE)))
             if launch.stage is Stage.CORE:
                 plan.exited([i for i in idx if exit_at[i] == launch.step])
         self.trace += rows
-        self._stamp(seqs)
+        self._stamp(seqs, self.clock)
         drafts, tok = [], self.spec_token
         for k in work.spec:  # a rejected draft is any other id: acceptance stops there (later draws unused)
             drafts.append([tok if self._accept_rng.random() < self.acceptance else tok + 1 for _ in range(k - 1)])

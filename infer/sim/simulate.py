@@ -26,15 +26,29 @@ from .workloads import WORKLOADS, Request, describe, make_requests
 
 
 
+def gpu_settings(kw: dict) -> dict:
+    """EngineConfig fields with what the engine decides on a CUDA device where `kw` leaves them
+    open (EngineConfig.resolve decides on the device; SimModel's is the CPU): the lookahead
+    pipeline with lookahead, on-device token re-entry without speculation."""
+    kw = dict(kw)
+    if kw.get("pipeline") is None:
+        kw["pipeline"] = bool(kw.get("lookahead"))
+    if kw.get("async_scheduling") is None:
+        kw["async_scheduling"] = not kw.get("speculative_tokens")
+    return kw
+
+
 def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]],
-                  **engine) -> dict:
+                  overlap: bool = True, **engine) -> dict:
     """One mode through the real engine on the virtual clock; the bench's raw record. `engine`:
-    EngineConfig fields (the same for every mode; a mode's own fields win, and the exit criterion
-    is the simulator's, SIM_EXITS)."""
-    kw = {**engine, **{k: v for k, v in mode.items() if k != "name"}, **SIM_EXITS}
+    EngineConfig fields (the same for every mode; a mode's own fields win, the exit criterion is
+    the simulator's, SIM_EXITS, and fields left open are decided as on a GPU, `gpu_settings`).
+    `overlap`: the host's work runs beside the device's (SimRunner's two clocks); False: in series."""
+    kw = gpu_settings({**engine, **{k: v for k, v in mode.items() if k != "name"}, **SIM_EXITS})
     kw["r_min"] = 2 if kw.get("lookahead") else 1
     ecfg = EngineConfig(**kw)
-    eng = LLMEngine(SimModel(cfg), ecfg, runner_cls=partial(SimRunner, cost=cost, depths=depths))
+    eng = LLMEngine(SimModel(cfg), ecfg, runner_cls=partial(SimRunner, cost=cost, depths=depths, overlap=overlap,
+                                                            reentry=kw["async_scheduling"]))
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
     while eng.has_unfinished():
@@ -119,11 +133,11 @@ def served_context(cfg: LoopConfig, engine: dict) -> int:
 
 
 def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]], modes: list[dict] | None = None,
-             workload: str = "custom", scale: float | str = 1.0, **kw) -> dict:
+             workload: str = "custom", scale: float | str = 1.0, overlap: bool = True, **kw) -> dict:
     """Every mode on one request list: the bench's workload block (virtual seconds)."""
     modes = modes or modes_for()
-    raws = {m["name"]: simulate_mode(cfg, requests, m, cost, depths, **kw) for m in modes}
-    results = summarize(raws, cfg, requests, {"simulated": True, **{k: v for k, v in kw.items()}})
+    raws = {m["name"]: simulate_mode(cfg, requests, m, cost, depths, overlap, **kw) for m in modes}
+    results = summarize(raws, cfg, requests, {"simulated": True, "host_overlap": overlap, **kw})
     ctx = next(iter(raws.values()))["engine_config"]["max_model_len"]  # the context the engines served
     out = {"workload": describe(requests, workload, scale, ctx) if workload in WORKLOADS else
            {"workload": workload, "num_requests": len(requests)},
@@ -162,7 +176,10 @@ def replay_fitted(trace_file: Path, model: str | None = None, layer_split: str |
         modes = [{"name": n, **m} for n, m in run["modes"].items()]
         # the engine flags the bench ran with (the rest: the checkpoint's and EngineConfig's defaults)
         engine = {k: v for k, v in run["settings"].items() if k in ENGINE_FIELDS}
-        blk = simulate(cfg, reqs, cost, data["exit_depths"][w], modes, workload=w, scale=wl["scale_arg"], **engine)
+        engine.setdefault("async_scheduling", False)  # (a bench that recorded no such setting ran without it)
+        # the fitted costs hold the host's time per step as the bench measured it, in series
+        blk = simulate(cfg, reqs, cost, data["exit_depths"][w], modes, workload=w, scale=wl["scale_arg"],
+                       overlap=False, **engine)
         blk["measured_tokens_per_s"] = run["measured_tokens_per_s"]
         for r in blk["results"]:
             m = run["measured_tokens_per_s"].get(r["mode"])
