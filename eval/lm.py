@@ -29,7 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from infer.engine.config import EngineConfig
 from infer.engine.llm import LLM
 from infer.engine.progress import progress
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling import SamplingParams, check_priority
 from looplm.errors import ParamError
 from looplm.io import load_tokenizer
 from looplm.model import LoopedLM
@@ -71,13 +71,14 @@ def engine_settings(args: dict[str, Any]) -> dict[str, Any]:
 class LoopedEvalLM(TemplateLM):
     """model_args: `pretrained` (folder or LoopedLM), `dtype`, `device`, `r_max`, `load_format`
     ("dummy": random weights of the folder's shape, as vLLM's), `tokenizer`,
-    `batch_size` (the engine's max_batch_size), `max_gen_toks`, `add_bos_token`, and any EngineConfig
-    field (policy, kv_layout, exit_threshold, r_min, lookahead, ...; unset: the checkpoint's)."""
+    `batch_size` (the engine's max_batch_size), `max_gen_toks`, `add_bos_token`, `priority` (every
+    request's, under scheduling_policy=priority), and any EngineConfig field (policy, kv_layout,
+    exit_threshold, r_min, lookahead, scheduling_policy, ...; unset: the checkpoint's)."""
 
     def __init__(self, pretrained: str | LoopedLM, r_max: int | None = None, dtype: str = "float32",
                  device: str = "cpu", batch_size: int | str = 32, max_batch_size: int | None = None,
                  tokenizer=None, max_gen_toks: int = 256, add_bos_token: bool = False, load_format: str = "auto",
-                 **model_args):
+                 priority: int | str = 0, **model_args):
         super().__init__()
         bs = 32 if str(batch_size).startswith("auto") else int(batch_size)
         if str(batch_size).startswith("auto") and max_batch_size:
@@ -86,9 +87,14 @@ class LoopedEvalLM(TemplateLM):
         unknown = sorted(set(model_args) - set(EngineConfig.field_names()))
         if unknown:
             raise ParamError(unknown[0], f"unknown model_args {unknown}; known: pretrained, r_max, dtype, device, "
-                                         f"load_format, batch_size, tokenizer, max_gen_toks, add_bos_token, "
+                                         f"load_format, batch_size, tokenizer, max_gen_toks, add_bos_token, priority, "
                                          f"{', '.join(EngineConfig.field_names())}")
         r_max = _opt(int, r_max)
+        try:
+            self.priority = int(priority)
+        except ValueError:
+            raise ParamError("priority", f"model_args priority must be an integer, got {priority!r}") from None
+        check_priority(self.priority, settings.get("scheduling_policy", "fcfs"))  # before loading the model
         device = str(device)
         if device.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's CLI default is cuda:0
             log.warning("device %s requested but CUDA is unavailable: using cpu", device)
@@ -216,7 +222,7 @@ class LoopedEvalLM(TemplateLM):
         for i, (_, ctx, cont) in enumerate(requests):
             if cont:
                 ctx, cont = self._fit(list(ctx) or [self.prefix_token_id], list(cont))
-                seqs[i] = eng.add_request(ctx, sp, forced_output=cont)
+                seqs[i] = eng.add_request(ctx, sp, forced_output=cont, priority=self.priority)
         self._run(list(seqs.values()), disable_tqdm, "loglikelihood")
         out = []
         for i in range(len(requests)):
@@ -274,7 +280,7 @@ class LoopedEvalLM(TemplateLM):
             ids = self.tok_encode(context) or [self.prefix_token_id]
             prompts.append(ids[-max(1, self.max_length - max_gen):])
             params.append(sp)
-        outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, priority=self.priority)
         for req, o in zip(requests, outs):
             self._count(req.task_name, o.exit_depths[1:], len(o.exit_depths))
         return [o.text for o in outs]

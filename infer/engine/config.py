@@ -24,6 +24,7 @@ from looplm.policy import OUTPUT_CRITERIA, ExitPolicy
 POLICIES = ("cb", "cdb")
 CPU_KV_MEMORY = 512 * 2**20  # bytes of KV pool + state slots on a CPU when no pool size is given
 PREFILL_MODES = ("mixed", "separate")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _f(default, help: str):
@@ -39,6 +40,9 @@ class EngineConfig:
                                      f"in slot min(s, S); S = 2 unless given); default: the checkpoint's, else "
                                      f"{DEFAULT_LAYOUT}")
     max_batch_size: int = _f(64, "sequences running at once (= state slots)")
+    scheduling_policy: str = _f("fcfs", "fcfs: requests are admitted in arrival order; priority (vLLM's): by each "
+                                        "request's priority (lower first, ties by arrival), and preemption takes the "
+                                        "worst priority first")
     max_prefill_tokens: int = _f(2048, "token budget per launch (vLLM's max_num_batched_tokens). mixed prefill: "
                                        "prompt tokens + decode items per launch, longer prompts are chunked where "
                                        "exact; separate: prompt tokens per prefill batch (a longer prompt runs alone)")
@@ -109,6 +113,9 @@ class EngineConfig:
             raise ParamError("policy", f"unknown policy {self.policy!r}; supported: {POLICIES}")
         if self.kv_layout is not None:
             layout_class(self.kv_layout)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ParamError("scheduling_policy", f"unknown scheduling_policy {self.scheduling_policy!r}; supported: "
+                                                  f"{SCHEDULING_POLICIES}")
         if self.prefill not in PREFILL_MODES:
             raise ParamError("prefill", f"unknown prefill {self.prefill!r}; supported: {PREFILL_MODES}")
         check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
@@ -267,7 +274,8 @@ def _kv_layout_arg(name: str) -> str:
     return name
 
 
-_CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "exit_criterion": CRITERIA}
+_CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "exit_criterion": CRITERIA,
+            "scheduling_policy": SCHEDULING_POLICIES}
 _TYPES = {"str": str, "int": int, "float": float}
 _FIELD_TYPES = {"kv_layout": _kv_layout_arg}  # validating types in place of choices
 _METAVARS = {"kv_layout": "{" + ",".join(n.replace("[:S]", ",first_then_shared:S") for n in LAYOUT_NAMES) + "}"}

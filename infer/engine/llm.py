@@ -100,20 +100,24 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: int | Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in input order.
-        Every request is validated before any runs: a bad one raises ParamError naming its index."""
+        Every request is validated before any runs: a bad one raises ParamError naming its index.
+        `priority` (scheduling_policy "priority", vLLM's): one per prompt, or one for all."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         ps = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(plist)
         if len(ps) != len(plist):
             raise ParamError("params", f"{len(ps)} SamplingParams for {len(plist)} prompts")
+        prio = list(priority) if isinstance(priority, (list, tuple)) else [priority or 0] * len(plist)
+        if len(prio) != len(plist):
+            raise ParamError("priority", f"{len(prio)} priorities for {len(plist)} prompts")
         eng = self.engine
         seqs = []
         try:
-            for i, (p, sp) in enumerate(zip(plist, ps)):
+            for i, (p, sp, pr) in enumerate(zip(plist, ps, prio)):
                 try:
-                    seqs.append(eng.add_request(p, sp))
+                    seqs.append(eng.add_request(p, sp, priority=pr))
                 except ValueError as e:
                     raise ParamError(getattr(e, "param", "prompt"), f"prompt {i}: {e}") from None
         except ValueError:

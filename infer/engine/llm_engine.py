@@ -25,7 +25,7 @@ from .batch_state import to_device
 from .output import OutputProcessor, Pending
 from .runner import Emitted, ModelRunner, Runner, SpecOut
 from .sampler import Sampler
-from .sampling import SamplingParams, check_prompt, check_token_ids
+from .sampling import SamplingParams, check_priority, check_prompt, check_token_ids
 from .scheduler import Scheduler, Scores, Work
 from .sequence import Sequence, Stage
 from .trace import TraceRow, trace_row
@@ -128,14 +128,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    forced_output: list[int] | None = None, tracker: ExitTracker | None = None) -> Sequence:
+                    forced_output: list[int] | None = None, tracker: ExitTracker | None = None,
+                    priority: int = 0) -> Sequence:
         """Validate and queue a request. Bad input raises ParamError (a ValueError naming the field)
         and changes nothing. `forced_output` teacher-forces the continuation: each token is decoded
         with the adaptive exit policy and its log-prob recorded (what lm-eval's loglikelihood needs).
         `tracker`: an exit tracker of the caller's for this request's policy instead of the
-        scheduler's own (a replay forcing recorded depths, infer/sim/replay.py)."""
+        scheduler's own (a replay forcing recorded depths, infer/sim/replay.py). `priority`
+        (scheduling_policy "priority", vLLM's): lower is served sooner."""
         params = params or SamplingParams()
         cfg = self.model.cfg
+        check_priority(priority, self.config.scheduling_policy)
         if forced_output is not None:
             if not forced_output:
                 raise ParamError("forced_output", "forced_output must be a non-empty list of token ids")
@@ -158,6 +161,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), rid, ids, params, policy,
                        arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
                        text_prompt=text_prompt, forced=list(forced_output) if forced_output is not None else None,
+                       priority=priority,
                        eos_ids=self.eos_ids, max_model_len=self.max_model_len, tracker=tracker)
         # No pool check: a request never holds more than max_model_len tokens (it stops for length
         # there), and memory.size_pool lowered max_model_len to the pool's whole blocks, so every

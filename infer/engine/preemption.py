@@ -2,10 +2,11 @@
 block and none is free. Pure Python (no torch), replayed by the simulator like the scheduler.
 
 A sequence that moves to the prelude queue gets the block of its next token's row first (`grow`).
-When none is free, the most recently admitted running sequence is preempted: its blocks and slot
+When none is free, the most recently admitted running sequence (of the worst priority, under
+scheduling_policy "priority") is preempted: its blocks and slot
 are freed and a `SwapOp` tells the engine to copy its KV rows and per-slot state to host memory
 before the next stage runs (which may reuse them). Swapped sequences come back (`resume`), oldest
-first and before any new admission, into fresh blocks, and re-enter the queue they left (the core
+(best priority) first and before any new admission, into fresh blocks, and re-enter the queue they left (the core
 queue too: the loop state travels with them). Exact for every layout: the numbers are copied, not
 recomputed. Host swap space is counted in blocks; when it is full the sequence that needs a block
 waits (`stalled`) while others run, unless nothing else could run (then it is swapped out all the
@@ -24,7 +25,9 @@ from typing import Callable
 from .block_manager import BlockManager
 from .sequence import Sequence, Stage
 
-_seq_id = attrgetter("seq_id")
+# the preemption order: the worst priority first (scheduling_policy "priority"; under fcfs every
+# priority is 0), then the most recently admitted (seq_ids grow with arrival)
+_rank = attrgetter("priority", "seq_id")
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Preemption:
         leaves: Scheduler._read_pending). True: `s`
         grew (Work.grown); False: it stalled or was swapped out."""
         while not self.blocks.grow(s.blocks, s.num_tokens):  # the rows of positions 0..position
-            victim = max(self.holders(), key=_seq_id)
+            victim = max(self.holders(), key=_rank)
             others_run = any(x is not victim for x in self.prelude_q + self.queues[Stage.CORE] +
                              self.queues[Stage.CODA] if x is not s)
             if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
@@ -111,7 +114,7 @@ class Preemption:
         self.ops.append(SwapOp("out", s, s.blocks, s.slot))
         self.blocks.free(s.blocks, s.slot)
         self.swapped.append((s, stage, len(s.blocks)))
-        self.swapped.sort(key=lambda x: x[0].seq_id)
+        self.swapped.sort(key=lambda x: _rank(x[0]))  # (resumed from the front: the best priority, oldest first)
         self.counters["preemptions"] += 1
         self.counters["swapped_out_blocks"] += len(s.blocks)
         s.blocks, s.slot, s.stage = [], -1, Stage.SWAPPED

@@ -75,6 +75,16 @@ def check_token_ids(ids: list, vocab_size: int, what: str) -> None:
             raise ParamError(what, f"'{what}' has token id {t!r} outside the vocabulary [0, {vocab_size})")
 
 
+def check_priority(priority, scheduling_policy: str) -> None:
+    """A request's priority is an integer, and not other than 0 where the policy would ignore it
+    (vLLM refuses a non-default priority under fcfs)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ParamError("priority", f"'priority' must be an integer (lower is served sooner), got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ParamError("priority", f"'priority' {priority} needs scheduling_policy 'priority' (the engine runs "
+                                     f"{scheduling_policy!r}, which would ignore it)")
+
+
 def check_prompt(ids: list, vocab_size: int, max_model_len: int, what: str = "prompt") -> None:
     """A prompt has tokens, all in the vocabulary, and leaves at least one position of the context
     for the output."""

@@ -130,8 +130,17 @@ class Scheduler:
                 "coda": len(self.coda_q)}
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new request: last (fcfs), or behind every waiting request of its priority or a
+        better one (scheduling_policy "priority"), so the head is always the next to admit."""
         seq.stage = PREFILL
-        self.waiting.append(seq)
+        q = self.waiting
+        if self.cfg.scheduling_policy == "priority" and q and q[-1].priority > seq.priority:
+            i = len(q) - 1
+            while i > 0 and q[i - 1].priority > seq.priority:
+                i -= 1
+            q.insert(i, seq)
+        else:
+            q.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence (stopped or aborted) out of the one container its stage names, and

@@ -65,6 +65,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     text_prompt: str | None = None
     forced: list[int] | None = None  # teacher forcing: the output tokens are these (log-likelihoods)
+    priority: int = 0  # scheduling_policy "priority": lower is admitted sooner and preempted later
     # how the request's EOS ids and context bound it (not kept): what the per-token loops read is
     # derived from them once, below
     eos_ids: InitVar[frozenset[int]] = frozenset()
@@ -153,7 +154,7 @@ class Sequence:
 # a Sequence field in infer/ against this). The request's fields are written by no one.
 OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "request": (frozenset(), ("seq_id", "request_id", "prompt_ids", "params", "policy", "arrival_time",
-                              "text_prompt", "forced", "stop_ids", "max_out", "extras", "sampled")),
+                              "text_prompt", "forced", "priority", "stop_ids", "max_out", "extras", "sampled")),
     "scheduler": (frozenset({"infer/engine/scheduler.py", "infer/engine/chunks.py", "infer/engine/preemption.py"}),
                   ("stage", "finish_reason", "blocks", "room", "slot", "step", "prefilled", "block_hashes", "chunk", "step_scored",
                    "tracker", "scheduled_time")),

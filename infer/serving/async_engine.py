@@ -274,8 +274,11 @@ class AsyncEngine:
             if len(ids) > 1:
                 ids, forced = ids[:1], ids[1:]
         try:
+            params = dict(params)
+            priority = params.pop("priority", 0)
             sp = SamplingParams(**params)
-            self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival, forced_output=forced)
+            self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival, forced_output=forced,
+                                    priority=priority)
         except ParamError as e:
             raise APIError(400, str(e), field_ if e.param == "prompt" else e.param) from None
         holdback = max((len(s) for s in sp.stop), default=1) - 1

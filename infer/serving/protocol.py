@@ -168,9 +168,13 @@ def _sampling(body: dict, vocab_size: int, r_max: int) -> tuple[dict, bool]:
     if r_lo is not None and r_hi is not None and r_lo > r_hi:
         raise bad("r_min", f"'r_min' ({r_lo}) exceeds 'r_max' ({r_hi})")
     speculate = get(body, "speculate", "boolean", True)  # opt out of the engine's self-speculation
+    # vLLM's extra field (not a sampling parameter: AsyncEngine._add hands it to add_request); a
+    # non-zero one under --scheduling-policy fcfs is refused by the engine's own check
+    priority = get(body, "priority", "integer", 0)
     sampling = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
                     seed=seed, stop=stop, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos,
-                    exit_threshold=None if thr is None else float(thr), r_min=r_lo, r_max=r_hi, speculate=speculate)
+                    exit_threshold=None if thr is None else float(thr), r_min=r_lo, r_max=r_hi, speculate=speculate,
+                    priority=priority)
     return sampling, max_tokens is not None
 
 
