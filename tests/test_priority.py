@@ -209,3 +209,30 @@ def test_lm_eval_model_args_priority(model_dir, monkeypatch):
     monkeypatch.setattr(eng, "add_request", recorded)
     scores = lm._loglikelihood_tokens([(None, [3, 4], [5, 6]), (None, [7], [8])])
     assert len(scores) == 2 and seen == [-1, -1]
+
+
+def test_online_bench_priority_classes(model_dir, monkeypatch):
+    """infer.bench.online's priority classes: the high requests carry `priority` to a priority
+    server, the rest none, and the summary reports each class."""
+    import math
+
+    from infer.bench.online import run_rate, summarize
+    srv, aeng = serve(model_dir, "priority")
+    seen = []
+    add = aeng.engine.add_request
+
+    def recorded(*a, **kw):
+        s = add(*a, **kw)
+        seen.append(s.priority)
+        return s
+    monkeypatch.setattr(aeng.engine, "add_request", recorded)
+    try:
+        high = [i % 4 == 0 for i in range(8)]
+        res, dur = asyncio.run(run_rate(srv.url, "tiny-prio", math.inf, [(4, 6)] * 8, 300, 0, 1.0, 60,
+                                        high=high, high_priority=-1))
+    finally:
+        srv.stop()
+    assert sorted(seen) == [-1, -1] + [0] * 6
+    s = summarize(res, dur)
+    assert s["completed"] == 8 and s["by_class"]["high"]["completed"] == 2 and s["by_class"]["rest"]["completed"] == 6
+    assert s["by_class"]["high"]["ttft_ms"]["mean"] > 0

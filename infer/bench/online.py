@@ -12,6 +12,14 @@ with vLLM `bench serve` metric definitions; a JSON per (policy, rate) and the pa
 
 With --repeats N each (policy, rate) point is the median of N interleaved rounds.
 
+Priority classes: `--priority-fraction F` marks a seeded fraction F of the requests as the high
+class (the same requests for every policy); servers of a `-priority` policy (`--scheduling-policy
+priority`) receive them with `priority` = `--high-priority` (default -1), the others without. Each
+point then reports TTFT, E2E and normalized latency per class (`by_class`):
+
+    python -m infer.bench.online --model checkpoints/ouro-demo --policies cdb-refill,cdb-refill-priority \
+        --priority-fraction 0.1 --rates 30 --num-prompts 300
+
 Definitions (vLLM): TTFT = first streamed token - send; TPOT = (E2E - TTFT) / (output_len - 1);
 ITL = gaps between streamed chunks; E2E = last token - send; normalized latency = mean over
 requests of E2E / output_len (s/token). Requests ignore EOS and produce exactly their target length.
@@ -40,7 +48,8 @@ from infer.sim.workloads import WORKLOADS, load_trace
 from looplm.cli import UserError
 
 POLICY_ARGS = {"cb": ["--policy", "cb"], "cdb-norefill": ["--policy", "cdb", "--no-refill"],
-               "cdb-refill": ["--policy", "cdb", "--refill"]}
+               "cdb-refill": ["--policy", "cdb", "--refill"],
+               "cdb-refill-priority": ["--policy", "cdb", "--refill", "--scheduling-policy", "priority"]}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,6 +64,8 @@ class Result:
     itl: list[float] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     error: str | None = None
+    high: bool = False  # the high priority class (--priority-fraction)
+    priority: int | None = None  # the request body's priority (None: not sent)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -99,6 +110,8 @@ async def one_request(client: aiohttp.ClientSession, url: str, model: str, promp
                       timeout: float, api_key: str | None) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": res.target_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
+    if res.priority is not None:
+        body["priority"] = res.priority
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     res.send = time.perf_counter()
     try:
@@ -141,13 +154,17 @@ async def _stream(client: aiohttp.ClientSession, url: str, body: dict, headers: 
 
 async def run_rate(url: str, model: str, rate: float, lengths: list[tuple[int, int]], vocab: int, seed: int,
                    burstiness: float, max_seconds: float, api_key: str | None = None,
-                   max_connections: int = 1024, max_concurrency: int | None = None) -> tuple[list[Result], float]:
+                   max_connections: int = 1024, max_concurrency: int | None = None,
+                   high: list[bool] | None = None, high_priority: int | None = None) -> tuple[list[Result], float]:
     """Send len(lengths) requests with gamma arrivals; stop sending after `max_seconds` (bounded).
     `max_concurrency` (vLLM's --max-concurrency): at most that many requests in flight; an arrival
-    waits in the client for a free one (its TTFT counts from when it is sent)."""
+    waits in the client for a free one (its TTFT counts from when it is sent). `high`: which
+    requests are the high priority class; `high_priority`: the priority they are sent with (None:
+    sent without one, a fcfs server)."""
     rng = np.random.default_rng(seed + 1)
     gaps = arrival_gaps(len(lengths), rate, burstiness, seed)
-    results = [Result(p, o) for p, o in lengths]
+    high = high or [False] * len(lengths)
+    results = [Result(p, o, high=h, priority=high_priority if h else None) for (p, o), h in zip(lengths, high)]
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -182,6 +199,14 @@ def _stats(xs: list[float], scale: float = 1000.0) -> dict:
     return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
 
 
+def class_stats(results: list[Result]) -> dict:
+    """TTFT, E2E and normalized latency of one class of requests."""
+    ok = [r for r in results if r.error is None]
+    return {"requests": len(results), "completed": len(ok), "ttft_ms": _stats([r.ttft for r in ok]),
+            "e2e_ms": _stats([r.e2e for r in ok]),
+            "normalized_latency_s_per_token": float(np.mean([r.e2e / r.output_len for r in ok])) if ok else None}
+
+
 def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.error is None]
     out_tok = sum(r.output_len for r in ok)
@@ -202,6 +227,9 @@ def summarize(results: list[Result], duration: float) -> dict:
         "itl_ms": _stats([g for r in ok for g in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
         "normalized_latency_s_per_token": float(np.mean([r.e2e / r.output_len for r in ok])) if ok else None,
         "mean_exit_depth": float(np.mean(depths)) if depths else None,
+        **({"by_class": {"high": class_stats([r for r in results if r.high]),
+                         "rest": class_stats([r for r in results if not r.high])}}
+           if any(r.high for r in results) else {}),
     }
 
 
@@ -366,6 +394,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-norm-latency", type=float, default=None,
                    help="limit for the sustained rate, s/token (default: --slo-factor x the best lowest-rate value)")
     p.add_argument("--slo-factor", type=float, default=3.0)
+    p.add_argument("--priority-fraction", type=float, default=0.0,
+                   help="a seeded fraction of the requests forms the high priority class (the same requests for "
+                        "every policy); a -priority policy's server receives them with --high-priority")
+    p.add_argument("--high-priority", type=int, default=-1, help="the high class's priority (lower is sooner)")
     p.add_argument("--api-key", default=os.environ.get("LOOPLM_API_KEY"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(".cache/bench_online"))
@@ -381,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"unknown policy {lab!r}; choose from {sorted(POLICY_ARGS)}")
     if a.max_concurrency is not None and a.max_concurrency < 1:  # before any server starts
         raise SystemExit(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
+    if not 0 <= a.priority_fraction <= 1:
+        raise SystemExit(f"--priority-fraction must be in [0, 1], got {a.priority_fraction}")
     a.out.mkdir(parents=True, exist_ok=True)
     summary = {"model": a.model or a.base_url, "rates": rates, "num_prompts": a.num_prompts, "dataset": a.dataset,
                "length_scale": a.length_scale, "burstiness": a.burstiness, "server_args": a.server_args,
@@ -400,6 +434,9 @@ def main(argv: list[str] | None = None) -> dict:
         vocab = vocab or 256
         lengths = sample_lengths(a.num_prompts, a.seed, a.dataset, ctx, a.input_len, a.output_len,
                                  a.length_scale, a.max_input)
+        high = [bool(x) for x in np.random.default_rng(a.seed + 7).random(len(lengths)) < a.priority_fraction]
+        summary |= {"priority_fraction": a.priority_fraction, "high_priority": a.high_priority,
+                    "high_requests": sum(high)}
         summary |= {"mean_input_len": float(np.mean([p for p, _ in lengths])),
                     "mean_output_len": float(np.mean([o for _, o in lengths])), "context": ctx}
         for label in labels:
@@ -414,8 +451,10 @@ def main(argv: list[str] | None = None) -> dict:
                 for label in labels[k % len(labels):] + labels[:k % len(labels)]:
                     url = servers[label][1]
                     wait_idle(url)
+                    prio = a.high_priority if label.endswith("-priority") else None
                     res, dur = asyncio.run(run_rate(url, name, rate, lengths, vocab, a.seed + rep, a.burstiness,
-                                                    a.max_seconds, a.api_key, max_concurrency=a.max_concurrency))
+                                                    a.max_seconds, a.api_key, max_concurrency=a.max_concurrency,
+                                                    high=high, high_priority=prio))
                     s = {"label": label, "rate": rate, "repeat": rep, "emulated": summary["emulated"],
                          **summarize(res, dur)}
                     (a.out / f"{label}_rate{rate:g}_rep{rep}.json").write_text(json.dumps(
@@ -426,6 +465,11 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{s['ttft_ms']['median'] or float('nan'):.0f} ms, TPOT p50 "
                           f"{s['tpot_ms']['median'] or float('nan'):.1f} ms, {s['output_throughput']:.1f} tok/s, "
                           f"depth {s['mean_exit_depth'] or float('nan'):.2f}", flush=True)
+                    for cls, c in s.get("by_class", {}).items():
+                        print(f"{'':13s}   {cls:4s} ({c['completed']}/{c['requests']}): TTFT mean "
+                              f"{c['ttft_ms']['mean'] or float('nan'):.0f} ms p99 {c['ttft_ms']['p99'] or float('nan'):.0f}"
+                              f" ms, E2E mean {c['e2e_ms']['mean'] or float('nan'):.0f} ms, norm latency "
+                              f"{c['normalized_latency_s_per_token'] or float('nan'):.4f} s/tok", flush=True)
                 k += 1
             for label, rs in reps.items():
                 summary["runs"][label].append(combine(rs))
