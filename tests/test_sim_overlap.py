@@ -19,9 +19,11 @@ class ConstCost:
     """Every launch: `device` seconds on the device plus `host` seconds of host work (the share
     `host_seconds` names, as RooflineCost's); re-entry's read of the ids costs `resolve`."""
 
-    def __init__(self, device: float, host: float, resolve: float, reentry_host: float | None = None):
+    def __init__(self, device: float, host: float, resolve: float, reentry_host: float | None = None,
+                 pre: float | None = None):
         self.device, self.host, self.resolve = device, host, resolve
         self.reentry_host = host if reentry_host is None else reentry_host
+        self.pre = pre  # the host's work before each launch (None: all of it)
 
     def __call__(self, c: Call) -> float:
         return self.device + self.host
@@ -31,6 +33,9 @@ class ConstCost:
 
     def resolve_seconds(self, stage: Stage, padded: int) -> float:
         return self.resolve
+
+    def host_pre_seconds(self, stage: Stage, padded: int, reentry: bool = False) -> float:
+        return self.host_seconds(stage, padded, reentry) if self.pre is None else self.pre
 
 
 class DeviceOnly:
@@ -66,6 +71,14 @@ def test_cb_timeline_by_hand():
     slow = run(ConstCost(d, h2, r), {"policy": "cb"}, req, overlap=True, reentry=True, max_batch_size=1)
     assert slow["seconds"] == pytest.approx(n * h2 + (n - 2) * r + d + r, rel=1e-12)
     assert over["exit_depths"] == serial["exit_depths"] == slow["exit_depths"]
+    # the host's work split at the launch (pre before it, the rest after): where the host reads the
+    # rows at once the rest waits for them, so nothing changes; with re-entry the rest runs beside
+    # the launch, and only the first launch's pre precedes the device's work
+    for p in (h / 4, h / 2):
+        split = run(ConstCost(d, h, r, pre=p), {"policy": "cb"}, req, overlap=True, reentry=False, max_batch_size=1)
+        assert split["seconds"] == pytest.approx(n * (h + d), rel=1e-12)
+        split = run(ConstCost(d, h, r, pre=p), {"policy": "cb"}, req, overlap=True, reentry=True, max_batch_size=1)
+        assert split["seconds"] == pytest.approx(p + n * d + r, rel=1e-12)
 
 
 @pytest.mark.parametrize("lookahead", [False, True])

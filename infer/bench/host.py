@@ -120,12 +120,14 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
                                        stop=SERVING_STOPS if tokenizer is not None else []))
     total: dict[str, list[float]] = {}
     runner: dict[str, list[float]] = {}
+    pre: dict[str, list[float]] = {}  # the step's host time up to its launch (schedule, swaps, upload, launch)
     resolve: list[float] = []
-    launch = {"seconds": 0.0, "resolve": 0.0}  # the runner's and the ids' read's shares of the last step
+    # the runner's share of the last step, when its launch returned, and the ids' read's share
+    launch = {"seconds": 0.0, "launched": 0.0, "resolve": 0.0}
 
     def timed_run(work, seconds):
         if seconds is not None:
-            launch["seconds"] = seconds
+            launch["seconds"], launch["launched"] = seconds, time.perf_counter()
     eng.on_launch.append(timed_run)
     if async_scheduling:
         inner = eng._resolve
@@ -146,6 +148,7 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
         k = eng.scheduler.last_stage.value
         total.setdefault(k, []).append(dt * 1e6)
         runner.setdefault(k, []).append(launch["seconds"] * 1e6)
+        pre.setdefault(k, []).append((launch["launched"] - t0) * 1e6)
         n_steps += 1
     attn = eng.runner.attention_stats or {}
     if attn:
@@ -155,6 +158,7 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
     return {"host_us": {k: _pct(v) for k, v in total.items()},
             "runner_us": {k: _pct(v) for k, v in runner.items()},
             "rest_us": {k: _pct([a - b for a, b in zip(total[k], runner[k])]) for k in total},
+            "pre_us": {k: _pct(v) for k, v in pre.items()},
             "resolve_us": _pct(resolve) if resolve else None, "attention": attn, "context_mean": sum(ctx) / batch}
 
 
@@ -195,17 +199,20 @@ def detok_bench(n: int = 4000, tokenizer=None) -> dict:
 def onto(base: dict, run: dict, name: str) -> dict:
     """`base` (a host table) with `run`'s re-entry table scaled onto its synchronous one (--onto);
     the run itself is kept under `reentry_run`."""
-    scaled = {}
-    for b, row in run["host_async_us"].items():
-        for k, v in row.items():
-            stage = k.removeprefix("resolve_")
-            if b in base["host_us"] and stage in base["host_us"][b]:
-                f = base["host_us"][b][stage]["median"] / run["host_us"][b][stage]["median"]
-                scaled.setdefault(b, {})[k] = {**{q: v[q] * f for q in ("median", "p90")}, "n": v["n"], "scale": f}
-    note = (f"re-entry table (host_async_us) measured beside a synchronous one in one run ({run['command']}) and "
-            f"scaled onto {name}'s synchronous medians, stage by stage (`scale`); the run: reentry_run")
-    return {**base, "host_async_us": scaled, "host_async_note": note,
-            "reentry_run": {k: run[k] for k in ("host_us", "host_async_us", "command")}}
+    scaled: dict[str, dict] = {key: {} for key in ("host_async_us", "pre_us", "pre_async_us")}
+    for key in scaled:
+        for b, row in run[key].items():
+            for k, v in row.items():
+                stage = k.removeprefix("resolve_")
+                if b in base["host_us"] and stage in base["host_us"][b]:
+                    f = base["host_us"][b][stage]["median"] / run["host_us"][b][stage]["median"]
+                    scaled[key].setdefault(b, {})[k] = {**{q: v[q] * f for q in ("median", "p90")}, "n": v["n"],
+                                                        "scale": f}
+    note = (f"host_async_us (re-entry), pre_us and pre_async_us (each step's part up to its launch) measured beside "
+            f"a synchronous table in one run ({run['command']}) and scaled onto {name}'s synchronous medians, stage "
+            f"by stage (`scale`); the run: reentry_run")
+    return {**base, **scaled, "host_async_note": note,
+            "reentry_run": {k: run[k] for k in ("host_us", "host_async_us", "pre_us", "pre_async_us", "command")}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,15 +231,17 @@ def main(argv: list[str] | None = None) -> None:
                         "side by side carried over to FILE's machine phase")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "host_async_us": {}, "serving_host_us": {},
-                 "attention": {}, "context_mean": {},
+    out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "pre_us": {}, "host_async_us": {},
+                 "pre_async_us": {}, "serving_host_us": {}, "attention": {}, "context_mean": {},
                  "command": "python -m infer.bench.host " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
                          "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
                          "lowest median; serving_host_us: the same CDB stages with a tokenizer attached (every token "
                          "detokenized, three stop strings checked); host_async_us: the same stages with on-device "
                          "token re-entry (async_scheduling), each step without the reading of the previous emitting "
-                         "stage's ids, which is its own entry, resolve_<stage that emitted them>"}
+                         "stage's ids, which is its own entry, resolve_<stage that emitted them>; pre_us / "
+                         "pre_async_us: the part of a step up to its launch (schedule, swaps, upload, the launch), "
+                         "the rest comes after it"}
     tok = bench_tokenizer()
     with torch.inference_mode():
         measure(a.batches[0], CDB, a.steps, a.seed, a.temperature)  # warm-up, discarded
@@ -241,21 +250,24 @@ def main(argv: list[str] | None = None) -> None:
                 cdb = measure(b, CDB, a.steps, a.seed, a.temperature)
                 cb = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature)
                 got = {key: {**cdb[key], **{k: v for k, v in cb[key].items() if k == "fused"}}
-                       for key in ("host_us", "runner_us", "rest_us")}
+                       for key in ("host_us", "runner_us", "rest_us", "pre_us")}
                 best = out["host_us"].setdefault(str(b), {})
                 for k, v in got["host_us"].items():
                     if k not in best or v["median"] < best[k]["median"]:  # the split comes from the same pass
-                        for key in ("host_us", "runner_us", "rest_us"):
+                        for key in ("host_us", "runner_us", "rest_us", "pre_us"):
                             out[key].setdefault(str(b), {})[k] = got[key][k]
                 # re-entry: the same stages, and the ids' read as its own entry
                 cdb_a = measure(b, CDB, a.steps, a.seed, a.temperature, async_scheduling=True)
                 cb_a = measure(b, dict(policy="cb"), max(8, a.steps // 6), a.seed, a.temperature, async_scheduling=True)
                 got = {**cdb_a["host_us"], "fused": cb_a["host_us"]["fused"], "resolve_coda": cdb_a["resolve_us"],
                        "resolve_fused": cb_a["resolve_us"]}
+                got_pre = {**cdb_a["pre_us"], "fused": cb_a["pre_us"]["fused"]}
                 best = out["host_async_us"].setdefault(str(b), {})
                 for k, v in got.items():
                     if k not in best or v["median"] < best[k]["median"]:
                         best[k] = v
+                        if k in got_pre:
+                            out["pre_async_us"].setdefault(str(b), {})[k] = got_pre[k]
                 served = measure(b, CDB, a.steps, a.seed, a.temperature, tokenizer=tok[0])["host_us"]
                 best = out["serving_host_us"].setdefault(str(b), {})
                 for k, v in served.items():

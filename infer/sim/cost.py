@@ -50,11 +50,16 @@ class HostCost:
     a few batch sizes), linear in the batch size between the measured points, flat outside them.
     `reentry`: the same with on-device token re-entry (its `host_async_us`), where an emitting
     stage's ids are read one launch later: those reads are their own entries, `resolve_<stage>`
-    (None: not measured; re-entry is then charged the synchronous table and no read)."""
+    (None: not measured; re-entry is then charged the synchronous table and no read). `pre` /
+    `pre_reentry`: the part of each step up to its launch (`pre_us`, `pre_async_us`; None: all of
+    it, the host then does nothing after a launch)."""
 
-    def __init__(self, table: dict[str, dict[str, dict]], reentry: dict[str, dict[str, dict]] | None = None):
+    def __init__(self, table: dict[str, dict[str, dict]], reentry: dict[str, dict[str, dict]] | None = None,
+                 pre: dict[str, dict[str, dict]] | None = None, pre_reentry: dict[str, dict[str, dict]] | None = None):
         self.points = self._points(table)
         self.reentry = self._points(reentry) if reentry else None
+        self.pre_points = self._points(pre) if pre else None
+        self.pre_reentry = self._points(pre_reentry) if pre_reentry else None
 
     @staticmethod
     def _points(table: dict[str, dict[str, dict]]) -> dict[str, list[tuple[int, float]]]:
@@ -64,11 +69,18 @@ class HostCost:
     @classmethod
     def from_json(cls, path: Path) -> HostCost:
         data = json.loads(Path(path).read_text())
-        return cls(data["host_us"], data.get("host_async_us"))
+        return cls(data["host_us"], data.get("host_async_us"), data.get("pre_us"), data.get("pre_async_us"))
 
     def __call__(self, stage: Stage, batch: int, reentry: bool = False) -> float:
         table = self.reentry if reentry and self.reentry is not None else self.points
         return self._at(table[stage.value], batch)
+
+    def pre(self, stage: Stage, batch: int, reentry: bool = False) -> float:
+        """The host's work for a stage call before its launch (at most all of it)."""
+        whole = self(stage, batch, reentry)
+        table = self.pre_reentry if reentry and self.reentry is not None else self.pre_points
+        pts = table.get(stage.value) if table else None
+        return min(whole, self._at(pts, batch)) if pts else whole
 
     def resolve(self, stage: Stage, batch: int) -> float:
         """Re-entry: the host's read of the ids `stage` emitted (stop rules, output processing)."""
@@ -155,6 +167,12 @@ class RooflineCost:
         """The host's share of a stage call (the measured table, else the constant overhead); with
         `reentry`, the host's work for it under on-device token re-entry (HostCost)."""
         return self.host(stage, padded, reentry) if self.host is not None else self.overhead
+
+    def host_pre_seconds(self, stage: Stage, padded: int, reentry: bool = False) -> float:
+        """The part of `host_seconds` before the launch (scheduling, upload, the launch itself); the
+        rest (reading results, output processing, bookkeeping) comes after it. Without a measured
+        split, all of it."""
+        return self.host.pre(stage, padded, reentry) if self.host is not None else self.overhead
 
     def resolve_seconds(self, stage: Stage, padded: int) -> float:
         """Re-entry: the host's read, one launch later, of the ids a `stage` call emitted (0 without

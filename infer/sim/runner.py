@@ -79,9 +79,10 @@ class SimRunner:
     charged in series with the stages: ModelRunner queues its copies on the compute stream.
 
     Two clocks, as on a GPU (`overlap`): the host's, which pays each launch's host share (the cost
-    model's `host_seconds`: scheduling, upload, output processing) before it launches, and the
-    device's, which runs the launches in order, each starting when both the host has launched it
-    and the device has finished the one before. The host waits for the device only where the
+    model's `host_seconds`), the part before the launch (`host_pre_seconds`: scheduling, upload)
+    before it and the rest (reading results, output processing) after it, and the device's, which
+    runs the launches in order, each starting when both the host has launched it and the device has
+    finished the one before. The host waits for the device only where the
     engine reads a launch's results: a core step's exit scores when the scheduler reads them (at
     once, or one core step late with the lookahead pipeline), an emitting stage's rows before its
     next launch (the sampler reads them), or, with on-device token re-entry (`reentry`), when the
@@ -115,6 +116,9 @@ class SimRunner:
         self._emitted: tuple[float, float] = (0.0, 0.0)
         self._unread: float | None = None
         self._reads: dict[float, float] = {}
+        # the last launch's host work after it (reading its results, output processing): done once
+        # the host reads its results, or at once where it reads none before the next launch
+        self._post, self._post_end = 0.0, -1.0
         self.swap_seconds = 0.0
         self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
         self.trace: list[TraceRow] = []
@@ -124,29 +128,40 @@ class SimRunner:
     @property
     def clock(self) -> float:
         """Virtual seconds so far: when both the host and the device are done."""
-        return max(self.host_at, self.device_at, self._unread or 0.0)
+        return max(max(self.host_at, self._unread or 0.0) + self._post, self.device_at)
 
-    def _charge(self, device: float, host: float = 0.0) -> float:
-        """One launch on the clocks (class docstring); returns when it ends on the device."""
+    def _charge(self, device: float, pre: float = 0.0, post: float = 0.0) -> float:
+        """One launch on the clocks (class docstring): the host's work before it (`pre`), then the
+        launch; returns when it ends on the device. `post`, the host's work after it, comes when the
+        host reads the launch's results (`read`, `to_host`) or, when it reads none, before the next
+        launch."""
         if self._unread is not None:  # the host read the last emitting launch's rows before this launch
             self.host_at = max(self.host_at, self._unread)
             self._unread = None
-        self.host_at += host
+        self.host_at += self._post + pre
         self.device_at = end = max(self.host_at, self.device_at) + device
         if not self.overlap:
             self.host_at = end
+        self._post, self._post_end = post, end
         return end
 
     def read(self, end: float) -> None:
-        """The host reads results of the launch that ends at `end`: it waits for it."""
+        """The host reads results of the launch that ends at `end`: it waits for it (then, for the
+        launch just made, does its work after it)."""
         self.host_at = max(self.host_at, end) + self._reads.pop(end, 0.0)
+        if end == self._post_end:
+            self.host_at += self._post
+            self._post = 0.0
 
-    def _split(self, stage: Stage, padded: int, t: float) -> tuple[float, float]:
-        """(device, host) seconds of a launch the cost model prices at `t` in all."""
+    def _split(self, stage: Stage, padded: int, t: float) -> tuple[float, float, float]:
+        """(device, host before the launch, host after it) of a launch the cost model prices at `t`."""
         share = getattr(self.cost, "host_seconds", None)
         if share is None:
-            return t, 0.0
-        return t - share(stage, padded), share(stage, padded, self.reentry)
+            return t, 0.0, 0.0
+        host = share(stage, padded, self.reentry)
+        split = getattr(self.cost, "host_pre_seconds", None)  # (none: all of it before the launch)
+        pre = split(stage, padded, self.reentry) if self.overlap and split is not None else host
+        return t - share(stage, padded), pre, host - pre
 
     def swap(self, ops: list[SwapOp]) -> None:
         for op in ops:
@@ -172,6 +187,9 @@ class SimRunner:
         end, cost = self._emitted
         self._unread = None
         self._reads[end] = cost
+        if end == self._post_end:  # the ids stay on the device: the rest of the step does not wait
+            self.host_at += self._post
+            self._post = 0.0
         return _Scores(values[:n].tolist(), self, end)
 
     def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
