@@ -30,6 +30,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.llm import LLM
 from infer.engine.progress import progress
 from infer.engine.sampling import SamplingParams, check_priority
+from infer.sim import replay as RP
 from looplm.errors import ParamError
 from looplm.io import load_tokenizer
 from looplm.model import LoopedLM
@@ -72,13 +73,15 @@ class LoopedEvalLM(TemplateLM):
     """model_args: `pretrained` (folder or LoopedLM), `dtype`, `device`, `r_max`, `load_format`
     ("dummy": random weights of the folder's shape, as vLLM's), `tokenizer`,
     `batch_size` (the engine's max_batch_size), `max_gen_toks`, `add_bos_token`, `priority` (every
-    request's, under scheduling_policy=priority), and any EngineConfig field (policy, kv_layout,
-    exit_threshold, r_min, lookahead, scheduling_policy, ...; unset: the checkpoint's)."""
+    request's, under scheduling_policy=priority), `record_exits` (a file: the exits of this
+    evaluation, each task a workload, for `python -m infer.sim --replay-exits FILE`), and any
+    EngineConfig field (policy, kv_layout, exit_threshold, r_min, lookahead, scheduling_policy, ...;
+    unset: the checkpoint's)."""
 
     def __init__(self, pretrained: str | LoopedLM, r_max: int | None = None, dtype: str = "float32",
                  device: str = "cpu", batch_size: int | str = 32, max_batch_size: int | None = None,
                  tokenizer=None, max_gen_toks: int = 256, add_bos_token: bool = False, load_format: str = "auto",
-                 priority: int | str = 0, **model_args):
+                 priority: int | str = 0, record_exits: str | Path | None = None, **model_args):
         super().__init__()
         bs = 32 if str(batch_size).startswith("auto") else int(batch_size)
         if str(batch_size).startswith("auto") and max_batch_size:
@@ -88,6 +91,7 @@ class LoopedEvalLM(TemplateLM):
         if unknown:
             raise ParamError(unknown[0], f"unknown model_args {unknown}; known: pretrained, r_max, dtype, device, "
                                          f"load_format, batch_size, tokenizer, max_gen_toks, add_bos_token, priority, "
+                                         f"record_exits, "
                                          f"{', '.join(EngineConfig.field_names())}")
         r_max = _opt(int, r_max)
         try:
@@ -122,6 +126,9 @@ class LoopedEvalLM(TemplateLM):
         self._device = torch.device(device)
         self.pretrained = pretrained if isinstance(pretrained, str) else type(pretrained).__name__
         self.reset_depth_stats()
+        # record_exits: task -> recorded requests (replay.record_block's rows), written after each call
+        self.record_path = Path(record_exits) if record_exits else None
+        self.recorded: dict[str, list[dict]] = defaultdict(list)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> LoopedEvalLM:
@@ -204,6 +211,26 @@ class LoopedEvalLM(TemplateLM):
                 done = n
         bar.close()
 
+    def _tracker(self, sp: SamplingParams) -> RP.RecordingTracker | None:
+        """record_exits: a tracker that keeps every exit score it reads, for the request's policy."""
+        if self.record_path is None:
+            return None
+        eng = self.llm.engine
+        return RP.RecordingTracker(eng.policy.override(threshold=sp.exit_threshold, r_min=sp.r_min, r_max=sp.r_max))
+
+    def _record(self, done: list) -> None:
+        """record_exits: add finished requests [(task, Sequence)] and rewrite the file (replay.write:
+        each task is a workload of the recorded lengths and scores)."""
+        if self.record_path is None:
+            return
+        for task, s in done:
+            self.recorded[task or "unknown"].append({"prompt_len": len(s.prompt_ids), "output_len": len(s.output_ids),
+                                                     "scores": s.tracker.rows})
+        eng = self.llm.engine
+        RP.write(self.record_path, model=str(self.pretrained), policy=eng.policy, model_r_min=self.model.cfg.r_min,
+                 kv_layout=eng.config.kv_layout,
+                 workloads={t: {"scale": None, "seed": None, "requests": rs} for t, rs in self.recorded.items()})
+
     def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
         """Left-truncate so that context + continuation fit the context window (the engine stops a
         sequence at max_model_len tokens)."""
@@ -222,8 +249,10 @@ class LoopedEvalLM(TemplateLM):
         for i, (_, ctx, cont) in enumerate(requests):
             if cont:
                 ctx, cont = self._fit(list(ctx) or [self.prefix_token_id], list(cont))
-                seqs[i] = eng.add_request(ctx, sp, forced_output=cont, priority=self.priority)
+                seqs[i] = eng.add_request(ctx, sp, forced_output=cont, priority=self.priority,
+                                          tracker=self._tracker(sp))
         self._run(list(seqs.values()), disable_tqdm, "loglikelihood")
+        self._record([(tasks[i], s) for i, s in seqs.items()])
         out = []
         for i in range(len(requests)):
             s = seqs.get(i)
@@ -280,7 +309,17 @@ class LoopedEvalLM(TemplateLM):
             ids = self.tok_encode(context) or [self.prefix_token_id]
             prompts.append(ids[-max(1, self.max_length - max_gen):])
             params.append(sp)
-        outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, priority=self.priority)
+        if self.record_path is None:
+            outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, priority=self.priority)
+        else:  # (the engine directly: LLM.generate, as vLLM's, takes no exit trackers)
+            eng = self.llm.engine
+            seqs = [eng.add_request(p, sp, priority=self.priority, tracker=self._tracker(sp))
+                    for p, sp in zip(prompts, params)]
+            self._run(seqs, disable_tqdm, "generate_until")
+            self._record([(req.task_name, s) for req, s in zip(requests, seqs)])
+            outs = [eng.output(s) for s in seqs]
+            for s in seqs:
+                eng.release(s.request_id)
         for req, o in zip(requests, outs):
             self._count(req.task_name, o.exit_depths[1:], len(o.exit_depths))
         return [o.text for o in outs]

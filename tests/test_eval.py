@@ -271,3 +271,44 @@ def test_sweep_point_passes_the_criterion_to_the_bench(monkeypatch):
     cfg = {**sweep.DEFAULTS, "bench_repeats": 1}
     sweep.bench_point("m", {"exit_criterion": "learned", "exit_threshold": 0.9, "r_min": 2, "lookahead": False}, cfg)
     assert seen["exit_criterion"] == "learned" and seen["exit_threshold"] == 0.9 and seen["r_min"] == 2
+
+
+def test_record_exits_model_arg_replays_the_run(tiny, tmp_path, monkeypatch):
+    """model_args record_exits=FILE (issue 40, deliverable 3): the exits of the evaluation, each
+    task a workload; replayed under the run's own policy they give every token's depth the run
+    took (loglikelihood and generation), with the run's lengths; generation keeps its text."""
+    from infer.sim import replay as RP
+    _, model, tok = tiny
+    path = tmp_path / "exits.json"
+    prompt = "The river Elbe surged to an all-time record high"
+    plain = lm_for(model, tok).generate_until([types.SimpleNamespace(args=(prompt, {"until": [], "max_gen_toks": 9}),
+                                                                      task_name="gen")])
+    lm = lm_for(model, tok, record_exits=str(path))
+    eng, seen = lm.llm.engine, []
+    add = eng.add_request
+
+    def recorded(*a, **kw):
+        s = add(*a, **kw)
+        seen.append(s)
+        return s
+    monkeypatch.setattr(eng, "add_request", recorded)
+    ctx = tok.encode("Rivers rise in spring", add_special_tokens=False)
+    lm._loglikelihood_tokens([(None, ctx, [5, 6, 7, 8, 9, 10]), (None, ctx[:3], [11, 12])], tasks=["ll", "ll"])
+    got = lm.generate_until([types.SimpleNamespace(args=(prompt, {"until": [], "max_gen_toks": 9}), task_name="gen")])
+    assert got == plain
+    doc = RP.load(path)
+    assert set(doc["workloads"]) == {"ll", "gen"} and doc["r_max"] == model.cfg.r_max
+    by_task = {"ll": seen[:2], "gen": seen[2:]}
+    for task, seqs in by_task.items():
+        rows = RP.requests_of(doc, task)
+        assert [(r["prompt_len"], r["output_len"]) for r in rows] == [(len(s.prompt_ids), len(s.output_ids)) for s in seqs]
+        assert RP.replay_depths(doc, task, eng.policy) == [s.exit_depths for s in seqs]
+    assert len({d for s in seen for d in s.exit_depths[1:]}) >= 2  # the exits vary
+    # ... and the simulator replays the file as it is: each task a workload, described by its lengths
+    import json
+
+    from infer.sim.__main__ import main as sim_main
+    sim_main(["--model", "ouro-1.4b", "--replay-exits", str(path), "--ks", "1", "--out", str(tmp_path / "sim")])
+    out = json.loads(next((tmp_path / "sim").glob("sim_*.json")).read_text())
+    ws = {w["workload"]["workload"]: w["workload"] for w in out["workloads"]}
+    assert set(ws) == {"ll", "gen"} and ws["ll"]["mean_output_len"] == 4 and ws["gen"]["num_requests"] == 1

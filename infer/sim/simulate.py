@@ -139,7 +139,8 @@ def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[i
     raws = {m["name"]: simulate_mode(cfg, requests, m, cost, depths, overlap, **kw) for m in modes}
     results = summarize(raws, cfg, requests, {"simulated": True, "host_overlap": overlap, **kw})
     ctx = next(iter(raws.values()))["engine_config"]["max_model_len"]  # the context the engines served
-    out = {"workload": describe(requests, workload, scale, ctx) if workload in WORKLOADS else
+    # (a recorded evaluation's task is a workload too: its lengths are described at their own scale)
+    out = {"workload": describe(requests, workload, scale, ctx) if workload in WORKLOADS or scale != "auto" else
            {"workload": workload, "num_requests": len(requests)},
            "bounds": bounds_block(cfg, requests), "results": results,
            "traces": {n: r["trace"] for n, r in raws.items()}, **headline(results)}
