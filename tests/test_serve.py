@@ -504,3 +504,41 @@ def test_bench_online_against_server(served):
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
     with pytest.raises(ValueError, match="max_concurrency"):
         asyncio.run(run_rate(served[0].url, NAME, 1.0, [(5, 6)], 300, 0, 1.0, 30, max_concurrency=0))
+
+
+def test_record_exits_writes_the_served_requests(model_dir, tmp_path, monkeypatch):
+    """--record-exits FILE (issue 40, deliverable 3): at shutdown the file holds every finished
+    request's lengths and exit scores; replayed under the server's policy they give the depths the
+    server's tokens took; infer.sim reads it."""
+    from infer.sim import replay as RP
+    path = tmp_path / "served.exits.json"
+    engine = LLMEngine(load_pretrained(model_dir), EngineConfig(max_batch_size=4, exit_threshold=0.55),
+                       load_tokenizer(model_dir))
+    aeng = AsyncEngine(engine, record_exits=path, model_name=NAME)
+    seqs, add = [], engine.add_request
+
+    def recorded(*a, **kw):
+        s = add(*a, **kw)
+        seqs.append(s)
+        return s
+    monkeypatch.setattr(engine, "add_request", recorded)
+    srv = ServerThread(build_app(aeng, NAME))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        for i in range(3):
+            c.completions.create(model=NAME, prompt=[3 + i, 7, 11, 13], max_tokens=5 + 3 * i,
+                                 extra_body={"ignore_eos": True})
+    finally:
+        srv.stop()
+    doc = RP.load(path)
+    rows = RP.requests_of(doc, "server")
+    assert doc["model"] == NAME and len(rows) == 3
+    got = sorted(zip([(r["prompt_len"], r["output_len"]) for r in rows], RP.replay_depths(doc, "server", engine.policy)))
+    assert got == sorted(((len(s.prompt_ids), len(s.output_ids)), s.exit_depths) for s in seqs)
+    assert min(d for s in seqs for d in s.exit_depths[1:]) < engine.model.cfg.r_max  # tokens exited early
+
+
+def test_record_exits_refuses_replicas():
+    from infer.serving.cli import main
+    with pytest.raises(SystemExit):
+        main(["--model", "ouro-tiny", "--record-exits", "x.json", "--replicas", "2"])

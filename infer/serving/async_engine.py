@@ -18,6 +18,7 @@ import traceback
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from looplm.errors import ParamError
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams, check_prompt, context_exceeded
 from infer.engine.sequence import Sequence
+from infer.sim import replay as RP
 
 from .histograms import RequestHistograms
 from .protocol import APIError, end_of_turn_ids, render_chat
@@ -92,8 +94,13 @@ class _Pub:  # per-request publishing state (engine thread)
 
 
 class AsyncEngine:
+    # record_exits: the file is rewritten after this many more finished requests (and at shutdown)
+    RECORD_EVERY = 64
+
     def __init__(self, engine: LLMEngine, max_waiting: int = 256, rate_window_s: float = 10.0,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, record_exits: Path | None = None, model_name: str = "server"):
+        """`record_exits`: write the exit scores of every request that finishes (the recorded-exits
+        format, infer/sim/replay.py, one workload "server") for `python -m infer.sim --replay-exits`."""
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed chunk), "
                              f"got {stream_interval!r}")
@@ -118,6 +125,8 @@ class AsyncEngine:
                          "prompt_tokens": 0, "generation_tokens": 0, "step_errors": 0}
         self.snapshot: dict = {}
         self.histograms = RequestHistograms(engine.max_model_len)  # vLLM's request histograms
+        self.record_path, self.model_name = (Path(record_exits) if record_exits else None), model_name
+        self.recorded: list[dict] = []  # engine-thread side
         self._hists = self.histograms.copy()
         self._rate: deque = deque()  # (time, generated tokens so far)
         self._publish_snapshot()
@@ -207,6 +216,7 @@ class AsyncEngine:
                 self.engine.release(rid)
             self._pub.clear()
             self._publish_snapshot()
+            self.write_recorded()
 
     def _drain(self) -> None:
         while self._cmds:
@@ -277,8 +287,12 @@ class AsyncEngine:
             params = dict(params)
             priority = params.pop("priority", 0)
             sp = SamplingParams(**params)
+            tracker = None
+            if self.record_path is not None:  # keeps every exit score it reads, for the request's policy
+                tracker = RP.RecordingTracker(self.engine.policy.override(
+                    threshold=sp.exit_threshold, r_min=sp.r_min, r_max=sp.r_max))
             self.engine.add_request(ids, sp, request_id=rid, arrival_time=arrival, forced_output=forced,
-                                    priority=priority)
+                                    priority=priority, tracker=tracker)
         except ParamError as e:
             raise APIError(400, str(e), field_ if e.param == "prompt" else e.param) from None
         holdback = max((len(s) for s in sp.stop), default=1) - 1
@@ -326,6 +340,20 @@ class AsyncEngine:
             if s is not None:  # (the copy is what /metrics reads, on the event loop)
                 self.histograms.observe(s)
                 self._hists = self.histograms.copy()
+                if self.record_path is not None and s.output_ids:
+                    self.recorded.append({"prompt_len": len(s.prompt_ids), "output_len": len(s.output_ids),
+                                          "scores": s.tracker.rows})
+                    if len(self.recorded) % self.RECORD_EVERY == 0:
+                        self.write_recorded()
+
+    def write_recorded(self) -> None:
+        """record_exits: (re)write the file with every request recorded so far."""
+        if self.record_path is None:
+            return
+        eng = self.engine
+        RP.write(self.record_path, model=self.model_name, policy=eng.policy, model_r_min=eng.model.cfg.r_min,
+                 kv_layout=eng.config.kv_layout,
+                 workloads={"server": {"scale": None, "seed": None, "requests": self.recorded}})
 
     def _fail_running(self, message: str) -> None:
         """After a failed step the batch's state is unknown: fail every request that had started."""

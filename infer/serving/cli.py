@@ -69,6 +69,11 @@ def parser() -> argparse.ArgumentParser:
                    help="what an echoed prompt token's log-prob means: full = the full-depth prefill (vLLM's); "
                         "policy = teacher-forced through the exit policy (requests may override it with "
                         "'echo_logprobs_depth')")
+    s.add_argument("--record-exits", type=Path, default=None, metavar="FILE",
+                   help="write the exit scores of every request the server finishes (the recorded-exits format, one "
+                        "workload 'server'; every 64 requests and at shutdown): python -m infer.sim --replay-exits "
+                        "FILE gives what this traffic's exits would do on an H100 (with --echo-logprobs-depth "
+                        "policy, lm-eval's loglikelihood requests are decoded through the exit policy too)")
     s.add_argument("--log-level", default="warning")
     r = p.add_argument_group("replicas (Ray Serve; needs the `distributed` extra, see docs/distributed.md)")
     r.add_argument("--replicas", type=int, default=None, help="run N engine replicas behind this endpoint")
@@ -101,7 +106,8 @@ def make_server(a: argparse.Namespace):
         torch.set_num_threads(a.threads)
     engine = make_engine(a)
     name = a.served_model_name or (a.model if a.model in PRESETS else Path(a.model).resolve().name)
-    aeng = AsyncEngine(engine, max_waiting=a.max_waiting, stream_interval=a.stream_interval)
+    aeng = AsyncEngine(engine, max_waiting=a.max_waiting, stream_interval=a.stream_interval,
+                       record_exits=a.record_exits, model_name=name)
     app = build_app(aeng, name, a.api_key, a.max_request_bytes, echo_logprobs_depth=a.echo_logprobs_depth)
     sock = bind(a.host, a.port)
     config = uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=a.drain_timeout,
@@ -114,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.stream_interval < 1:  # before any weights load or Ray starts
         p.error(f"--stream-interval must be >= 1 (tokens per streamed chunk), got {a.stream_interval}")
+    if a.record_exits is not None and a.replicas is not None:
+        p.error("--record-exits records one engine's requests; it does not combine with --replicas")
     if a.replicas is not None:  # Ray is imported on this path only
         from .replicas import main as replicas_main
         # each replica builds its engine as this process would (an emulated device included)
