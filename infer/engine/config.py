@@ -198,9 +198,15 @@ class EngineConfig:
             chunked_prefill=_default(self.chunked_prefill, depth_exact and self.prefill == "mixed"),
             enable_prefix_caching=_default(self.enable_prefix_caching, depth_exact and self.prefill == "mixed"),
             cuda_graphs=_default(self.cuda_graphs, on_cuda),
-            pipeline=_default(self.pipeline, on_cuda and pol.lookahead),
-            async_scheduling=_default(self.async_scheduling, on_cuda and not self.speculative_tokens),
+            **self.overlap(on_cuda, pol.lookahead),
             kv_cache_memory=self.kv_cache_memory or (CPU_KV_MEMORY if no_pool and not on_cuda else None))
+
+    def overlap(self, on_cuda: bool, lookahead: bool) -> dict[str, bool]:
+        """`pipeline` and `async_scheduling` where left None: on for CUDA, the lookahead pipeline with
+        lookahead, on-device token re-entry without speculation (resolve; the simulator asks as a
+        CUDA engine would, infer/sim/simulate.py)."""
+        return {"pipeline": _default(self.pipeline, on_cuda and lookahead),
+                "async_scheduling": _default(self.async_scheduling, on_cuda and not self.speculative_tokens)}
 
     def exit_policy(self, cfg: LoopConfig) -> ExitPolicy:
         """The engine-wide exit policy of a resolved config (built from its fields, no defaults)."""

@@ -30,12 +30,7 @@ def gpu_settings(kw: dict) -> dict:
     """EngineConfig fields with what the engine decides on a CUDA device where `kw` leaves them
     open (EngineConfig.resolve decides on the device; SimModel's is the CPU): the lookahead
     pipeline with lookahead, on-device token re-entry without speculation."""
-    kw = dict(kw)
-    if kw.get("pipeline") is None:
-        kw["pipeline"] = bool(kw.get("lookahead"))
-    if kw.get("async_scheduling") is None:
-        kw["async_scheduling"] = not kw.get("speculative_tokens")
-    return kw
+    return {**kw, **EngineConfig(**kw).overlap(on_cuda=True, lookahead=bool(kw.get("lookahead")))}
 
 
 def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, depths: list[list[int]],
