@@ -236,3 +236,15 @@ def test_online_bench_priority_classes(model_dir, monkeypatch):
     s = summarize(res, dur)
     assert s["completed"] == 8 and s["by_class"]["high"]["completed"] == 2 and s["by_class"]["rest"]["completed"] == 6
     assert s["by_class"]["high"]["ttft_ms"]["mean"] > 0
+
+
+def test_priority_ratios_pair_the_same_requests():
+    """infer.bench.online.priority_ratios: per class, fcfs / priority request by request."""
+    from infer.bench.online import Result, priority_ratios
+    mk = lambda ttfts, highs: [Result(4, 4, ttft=t, e2e=2 * t, high=h) for t, h in zip(ttfts, highs)]  # noqa: E731
+    highs = [True, False, False, True]
+    rows = priority_ratios({("cdb-refill", 8.0, 0): mk([1.0, 1.0, 2.0, 4.0], highs),
+                            ("cdb-refill-priority", 8.0, 0): mk([0.25, 2.0, 2.0, 1.0], highs)})
+    assert len(rows) == 1 and rows[0]["policy"] == "cdb-refill-priority"
+    assert rows[0]["high_ttft_fcfs_over_priority"]["median"] == 4.0
+    assert rows[0]["rest_e2e_fcfs_over_priority"]["median"] == 0.75

@@ -207,6 +207,26 @@ def class_stats(results: list[Result]) -> dict:
             "normalized_latency_s_per_token": float(np.mean([r.e2e / r.output_len for r in ok])) if ok else None}
 
 
+def priority_ratios(by_run: dict[tuple[str, float, int], list[Result]]) -> list[dict]:
+    """Per round of a `-priority` policy and its fcfs twin: each class's TTFT and E2E, fcfs over
+    priority, request by request (the same requests, the same arrivals), as the median ratio with
+    its 95% bootstrap interval (infer/sim/stats.py)."""
+    from infer.sim.stats import ratio_interval
+    out = []
+    for (label, rate, rep), res in by_run.items():
+        twin = by_run.get((label.removesuffix("-priority"), rate, rep))
+        if not label.endswith("-priority") or twin is None:
+            continue
+        row = {"policy": label, "rate": rate, "repeat": rep}
+        for cls, high in (("high", True), ("rest", False)):
+            pairs = [(f, p) for f, p in zip(twin, res) if p.high is high and f.error is None and p.error is None]
+            for key in ("ttft", "e2e"):
+                row[f"{cls}_{key}_fcfs_over_priority"] = ratio_interval([getattr(f, key) for f, _ in pairs],
+                                                                         [getattr(p, key) for _, p in pairs])
+        out.append(row)
+    return out
+
+
 def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.error is None]
     out_tok = sum(r.output_len for r in ok)
@@ -443,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
             asyncio.run(run_rate(servers[label][1], name, math.inf, [(8, 8)] * 4, vocab, a.seed, 1.0, 60,
                                  a.api_key))  # warm-up
             summary["runs"][label] = []
-        k = 0
+        k, by_run = 0, {}  # (label, rate, repeat) -> its per-request results
         for rate in rates:
             reps: dict[str, list[dict]] = {lab: [] for lab in labels}
             for rep in range(a.repeats):
@@ -460,6 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
                     (a.out / f"{label}_rate{rate:g}_rep{rep}.json").write_text(json.dumps(
                         {**s, "requests": [asdict(r) | {"itl": None, "exit_depths": None} for r in res]}, indent=1))
                     reps[label].append(s)
+                    by_run[(label, rate, rep)] = res
                     print(f"{label:13s} rate {rate:6g} #{rep}: {s['completed']}/{len(res)} ok, norm latency "
                           f"{s['normalized_latency_s_per_token'] or float('nan'):.4f} s/tok, TTFT p50 "
                           f"{s['ttft_ms']['median'] or float('nan'):.0f} ms, TPOT p50 "
@@ -475,6 +496,8 @@ def main(argv: list[str] | None = None) -> dict:
                 summary["runs"][label].append(combine(rs))
         # what self-speculation did on each server over the whole sweep (warm-up included)
         summary["speculative"] = {lab: speculation_counters(url) for lab, (_, url) in servers.items()}
+        if a.priority_fraction:
+            summary["priority_vs_fcfs"] = priority_ratios(by_run)
     finally:
         for proc, _ in servers.values():
             if proc is not None:
