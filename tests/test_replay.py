@@ -125,3 +125,45 @@ def test_sim_replays_a_recording(tmp_path):
     res = {r["mode"]: r for r in out["workloads"][0]["results"]}
     assert res["cdb_refill_k1"]["exit_depths_crc32"] == RP.depths_crc32(want)
     assert out["replay_exits"] == str(path) and out["workloads"][0]["replayed_exits"]["policy"]["threshold"] == 0.55
+
+
+def _full_depth_doc(outputs):
+    """A recording of a full-depth (CB) run: criterion none, no scores read."""
+    return {"format": RP.FORMAT, "model": "m", "criterion": "none", "threshold": None, "r_min": 4, "r_max": 4,
+            "lookahead": False, "kv_layout": "last_exited", "complete": False, "replay_r_min": 4,
+            "workloads": {"a": {"requests": [{"prompt_len": 3, "output_len": n, "scores": []} for n in outputs]},
+                          "b": {"requests": [{"prompt_len": 5, "output_len": 2, "scores": []}]}}}
+
+
+def test_a_full_depth_recording_replays_every_output_token_at_r_max():
+    """CB's recording reads no scores; its replay still gives each of the output_len tokens r_max
+    (the sweep's CB point: the simulator once indexed past a one-entry depth list)."""
+    doc = _full_depth_doc([6, 1])
+    assert RP.replay_depths(doc, "a", ExitPolicy("none", None, 4, 4)) == [[4] * 6, [4]]
+
+
+def test_pooled_workloads_keep_every_request_in_order():
+    doc = RP.pooled(_full_depth_doc([6, 1]))
+    assert list(doc["workloads"]) == [RP.POOLED] and doc["workloads"]["all"]["pooled"] == ["a", "b"]
+    assert [r["output_len"] for r in RP.requests_of(doc, "all")] == [6, 1, 2]
+
+
+def test_sim_replays_on_a_checkpoint_shape_and_another_gpu(tmp_path):
+    """infer.sim --model FOLDER: the checkpoint's own shape (its config.json, no weights read);
+    --gpu h200 prices its bandwidth; --pool replays the file's workloads as one stream."""
+    from looplm import save_pretrained
+    folder = save_pretrained(model("ouro-tiny"), tmp_path / "ckpt")
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(_full_depth_doc([6, 3])))
+    tps = {}
+    for gpu in ("h100", "h200"):
+        sim_main(["--model", str(folder), "--replay-exits", str(path), "--pool", "--ks", "1", "--gpu", gpu,
+                  "--host-json", "none", "--overhead-us", "0", "--out", str(tmp_path / gpu)])
+        out = json.loads(next((tmp_path / gpu).glob("sim_ckpt_*.json")).read_text())
+        assert out["gpu"] == gpu and out["pooled"] and len(out["workloads"]) == 1
+        res = {r["mode"]: r for r in out["workloads"][0]["results"]}
+        assert res["cb"]["output_tokens"] == 6 + 3 + 2 and res["cdb_refill_k1"]["mean_exit_depth"] == 4
+        tps[gpu] = res["cb"]["output_tokens_per_s"]
+    assert tps["h200"] / tps["h100"] == pytest.approx(4.8 / 3.35, rel=0.05)  # weight-bound, no host time
+    with pytest.raises(SystemExit):
+        sim_main(["--model", str(folder), "--pool", "--out", str(tmp_path / "x")])  # --pool without a file

@@ -197,7 +197,9 @@ def bench_workload(model, tokenizer, workload: str, *, num_requests: int = 32, s
     ctx = mean_decode_context(reqs)
     fits = fit_trace(trace)
     latency_bound(fits, results, raws, ctx)
-    out = {"workload": describe(reqs, workload, scale, ctx_len), "bounds": bounds_block(cfg, reqs),
+    # (replayed requests keep their recorded lengths: scale 1, whatever the workload's name)
+    out = {"workload": describe(reqs, workload, 1.0 if replay is not None else scale, ctx_len),
+           "bounds": bounds_block(cfg, reqs),
            "results": results, "latency_fit": fits_to_json(fits, ctx),
            "untraced_seconds_per_step": {n: max(0.0, (r["seconds"] - r["traced_seconds"]) / max(1, r["steps"]))
                                          for n, r in raws.items()},
@@ -287,7 +289,8 @@ def bench_emulated(a, workloads: list[str], modes: list[dict], base: dict, repla
             r["predicted_seconds"] = raw["predicted_seconds"]
             r["predicted_output_tokens_per_s"] = raw["output_tokens"] / raw["predicted_seconds"]
             r["wall_over_predicted"] = raw["seconds"] / (raw["predicted_seconds"] * first.runner.slowdown)
-        blocks.append({"workload": describe(reqs, w, scale, ctx), "bounds": bounds_block(cfg, reqs),
+        blocks.append({"workload": describe(reqs, w, 1.0 if replay is not None else scale, ctx),
+                       "bounds": bounds_block(cfg, reqs),
                        "results": results, "emulated": info, "traces": {n: r["trace"] for n, r in raws.items()},
                        "exit_depths": next(iter(raws.values()))["exit_depths"],
                        "untraced_seconds_per_step": {n: max(0.0, (r["seconds"] - r["traced_seconds"]) /
@@ -369,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replay-exits", type=Path, metavar="FILE",
                    help="every mode uses the exit depths FILE's scores decide (at --exit-threshold / --r-min, else "
                         "the recorded ones) and its requests' lengths")
+    p.add_argument("--pool", action="store_true",
+                   help="with --replay-exits: replay all the file's workloads as one request stream, `all` (an "
+                        "evaluation's tasks, served together as lm-eval sends them)")
     # the modes set policy / refill / min_coda_batch / full_depth; a CPU-sized batch by default
     add_engine_args(p, skip=("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed"))
     p.set_defaults(max_batch_size=32)
@@ -380,6 +386,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.record_exits and a.replay_exits:
         p.error("--record-exits and --replay-exits: record first, then replay in another run")
     replay = RP.load(a.replay_exits) if a.replay_exits else None
+    if a.pool:
+        if replay is None:
+            p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
+        replay = RP.pooled(replay)
     workloads = a.workloads or (list(replay["workloads"]) if replay else list(WORKLOADS))
     if a.device.startswith("emulated:"):
         if a.record_exits:

@@ -15,10 +15,11 @@ from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_fro
 from looplm.cli import run
 from looplm.layer_split import split_config, split_of
 from looplm.policy import ExitPolicy
-from looplm.presets import PAPER_MODELS, paper_config
+from looplm.presets import PAPER_MODELS
 
 from . import replay as RP
-from .cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from .cost import DEVICES, HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from .emulated import emulated_config
 from .report import format_table, plot
 from .runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
 from .simulate import SIM_SKIPPED, load_acceptance, replay_fitted, served_context, simulate, speculation_projection
@@ -28,8 +29,9 @@ from .workloads import WORKLOADS, make_requests
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="ouro-1.4b", help=f"{sorted(PAPER_MODELS)} (roofline), or with --fitted the "
-                   "benchmarked model (default: the one in the trace file)")
+    p.add_argument("--model", default="ouro-1.4b", help=f"{sorted(PAPER_MODELS)} (roofline), a preset or a checkpoint "
+                   "folder (its config.json's shape; no weights read), or with --fitted the benchmarked model "
+                   "(default: the one in the trace file)")
     p.add_argument("--fitted", type=Path, default=None, help="replay a bench trace file (infer.bench --save-trace) "
                    "with the latency model fitted on it, and compare with the measured throughput")
     p.add_argument("--layer-split", default=None, metavar="P-C-Q",
@@ -40,8 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM; H200: 4.8e12)")
-    p.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s")
+    p.add_argument("--gpu", default="h100", choices=sorted(DEVICES),
+                   help="the GPU priced: its bandwidth, peak FLOP/s and memory (the KV pool); SXM parts")
+    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: --gpu's; H100 SXM 3.35e12)")
+    p.add_argument("--peak-flops", type=float, default=None, help="dense bf16 FLOP/s (default: --gpu's)")
     p.add_argument("--overhead-us", type=float, default=20.0, help="launch/scheduling overhead per stage call "
                    "(used without a host benchmark JSON)")
     p.add_argument("--host-json", type=Path, default=HOST_JSON if HOST_JSON.exists() else None,
@@ -57,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replay-exits", type=Path, metavar="FILE",
                    help="a recorded-exits file (infer.bench --record-exits): its requests' lengths and the depths "
                         "its scores decide, instead of --mean-depth's binomial and the trace")
+    p.add_argument("--pool", action="store_true",
+                   help="with --replay-exits: replay all the file's workloads as one request stream, `all` (an "
+                        "evaluation's tasks, served together as lm-eval sends them)")
     p.add_argument("--replay-threshold", type=float, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--replay-r-min", type=int, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--seed", type=int, default=0)
@@ -86,24 +93,27 @@ def main(argv: list[str] | None = None) -> None:
                                    indent=1, default=float))
         print(f"json: {path}")
         return
-    if a.model not in PAPER_MODELS:
-        p.error(f"--model must be one of {sorted(PAPER_MODELS)} without --fitted")
-    cfg = paper_config(a.model)
-    cfg = split_config(cfg, a.layer_split) if a.layer_split else cfg
-    label = f"{a.model} split {split_of(cfg)}" if a.layer_split else a.model  # how outputs name the model
+    if a.pool and a.replay_exits is None:
+        p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
+    gpu = {**DEVICES[a.gpu], **{k: getattr(a, k) for k in ("bandwidth", "peak_flops") if getattr(a, k) is not None}}
+    cfg = emulated_config(a.model, a.layer_split)[0]  # a paper shape, a preset or a checkpoint's config.json
+    name = a.model if a.model in PAPER_MODELS else Path(a.model).name
+    label = f"{name} split {split_of(cfg)}" if a.layer_split else name  # how outputs name the model
     engine = engine_kwargs_from_args(a)
     layout = EngineConfig(**engine).resolve(cfg).kv_layout  # the cost model prices the layout the engine runs
-    engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout))
+    engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout, memory=gpu["memory"]))
     ctx = served_context(cfg, engine)
     replay = RP.load(a.replay_exits) if a.replay_exits else None
+    if a.pool:
+        replay = RP.pooled(replay)
     if replay is not None:
         rs = RP.engine_settings(replay, {"exit_threshold": a.replay_threshold, "r_min": a.replay_r_min})
         pol = ExitPolicy(rs["exit_criterion"], rs["exit_threshold"], rs["r_min"], cfg.r_max, bool(a.lookahead))
     workloads = a.workloads or (list(replay["workloads"]) if replay is not None else list(WORKLOADS))
-    mean = a.mean_depth or ASSUMED_MEAN_DEPTH[a.model]
+    mean = a.mean_depth or ASSUMED_MEAN_DEPTH.get(a.model, (1 + cfg.r_max) / 2)
     probs = binomial_depths(cfg.r_max, mean)
     host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
-    cost = RooflineCost(cfg, bandwidth=a.bandwidth, peak_flops=a.peak_flops, overhead=a.overhead_us * 1e-6,
+    cost = RooflineCost(cfg, bandwidth=gpu["bandwidth"], peak_flops=gpu["peak_flops"], overhead=a.overhead_us * 1e-6,
                         kv_layout=layout, host=host, attention=a.attention)
     if a.speculative_tokens:
         if a.acceptance is None:
@@ -121,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{1e3 * r['off']['mean_tpot_s']:.2f} -> {1e3 * r['on']['mean_tpot_s']:.2f} ms "
                       f"({r['tpot_speedup']:.2f}x), acceptance {r['on']['speculative']['acceptance_rate']:.2f}, "
                       f"tokens/verification {r['on']['speculative']['tokens_per_verification']:.2f}")
-        path = a.out / f"sim_spec_{a.model}_k{a.speculative_tokens}_a{rate:.2f}.json"
-        path.write_text(json.dumps({"model": a.model, "acceptance": rate, "acceptance_arg": a.acceptance,
+        path = a.out / f"sim_spec_{name}_k{a.speculative_tokens}_a{rate:.2f}.json"
+        path.write_text(json.dumps({"model": a.model, "gpu": a.gpu, "acceptance": rate, "acceptance_arg": a.acceptance,
                                     "engine": engine, "mean_exit_depth_assumed": mean, "num_requests": a.num_requests,
                                     "simulated": True, "workloads": out,
                                     "command": "python -m infer.sim " + " ".join(argv if argv is not None else
@@ -145,20 +155,20 @@ def main(argv: list[str] | None = None) -> None:
                 "criterion": pol.criterion, "threshold": pol.threshold, "r_min": pol.r_min, "lookahead": pol.lookahead}}
         print(format_table(blk))
         blocks.append(blk)
-    meta = {"model": a.model, "config": cfg.name, "layer_split": a.layer_split and split_of(cfg),
+    meta = {"model": a.model, "config": cfg.name, "gpu": a.gpu, "memory": gpu["memory"], "layer_split": a.layer_split and split_of(cfg),
             "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
             "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine,
             "host_overlap": not a.serial_host, "num_requests": a.num_requests,
             "exit_depth_distribution": None if replay else probs, "mean_exit_depth_assumed": None if replay else mean,
-            "replay_exits": str(a.replay_exits) if replay else None, "simulated": True,
+            "replay_exits": str(a.replay_exits) if replay else None, "pooled": a.pool, "simulated": True,
             "command": "python -m infer.sim " + " ".join(argv if argv is not None else sys.argv[1:])}
-    stem = a.model + (f"_split{split_of(cfg)}" if a.layer_split else "")
+    stem = name + (f"_split{split_of(cfg)}" if a.layer_split else "")
     tag = f"{stem}_replay_{a.replay_exits.stem}" if replay else f"{stem}_d{mean:g}"
     path = a.out / f"sim_{tag}.json"
     path.write_text(json.dumps({**meta, "workloads": [{k: v for k, v in b.items() if k != "traces"} for b in blocks]},
                                indent=1, default=float))
-    png = plot(blocks, a.out / f"sim_{tag}.png", f"{label}, simulated GPU roofline, " +
+    png = plot(blocks, a.out / f"sim_{tag}.png", f"{label}, simulated {a.gpu.upper()} roofline, " +
                (f"exits replayed from {replay['model']}" if replay else f"mean exit depth {mean:g}"))
     print(f"json: {path}\nplot: {png}")
 

@@ -206,6 +206,12 @@ def cost_bytes(cost) -> int:
     return getattr(cost, "dtype_bytes", 2)
 
 
+# the GPUs the simulator and the emulated device price: bytes/s, dense bf16 FLOP/s, memory bytes (SXM parts)
+DEVICES = {"h100": {"bandwidth": 3.35e12, "peak_flops": 989e12, "memory": 80e9},
+           "h200": {"bandwidth": 4.8e12, "peak_flops": 989e12, "memory": 141e9},
+           "a100": {"bandwidth": 2.039e12, "peak_flops": 312e12, "memory": 80e9}}
+
+
 def h100_kv_tokens(cfg: LoopConfig, kv_layout: str = DEFAULT_LAYOUT, memory: float = 80e9, util: float = 0.9,
                    dtype_bytes: int = 2) -> int:
     """KV rows that fit next to the bf16 weights in `util` of the GPU's memory."""

@@ -40,15 +40,11 @@ from looplm.layer_split import split_config
 from looplm.policy import ExitPolicy
 
 from . import replay as RP
-from .cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from .cost import DEVICES, HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
 from .runner import ASSUMED_MEAN_DEPTH, SIM_EXITS, SimModel, SimRunner, binomial_depths
 from .workloads import FIRST_ID
 
 PREFIX = "emulated:"
-# bytes/s, dense bf16 FLOP/s, memory bytes (SXM parts)
-DEVICES = {"h100": {"bandwidth": 3.35e12, "peak_flops": 989e12, "memory": 80e9},
-           "h200": {"bandwidth": 4.8e12, "peak_flops": 989e12, "memory": 141e9},
-           "a100": {"bandwidth": 2.039e12, "peak_flops": 312e12, "memory": 80e9}}
 
 
 def is_emulated(device: str | None) -> bool:
@@ -257,6 +253,8 @@ def depth_source(cfg: LoopConfig, *, mean_depth: float | None = None, replay_exi
             raise ParamError("mean_depth", "--mean-depth and --replay-exits: the depths come from one of them")
         doc = RP.load(replay_exits)
         w = workload or next(iter(doc["workloads"]))
+        if w == RP.POOLED and w not in doc["workloads"]:  # (infer.bench --pool)
+            doc = RP.pooled(doc)
         rs = RP.engine_settings(doc, {})
         pol = ExitPolicy(rs["exit_criterion"], rs["exit_threshold"], rs["r_min"], cfg.r_max, lookahead)
         rows = RP.replay_depths(doc, w, pol)

@@ -156,8 +156,10 @@ def replay_depths(doc: dict, workload: str, policy: ExitPolicy) -> list[list[int
     out = []
     for i, r in enumerate(requests_of(doc, workload)):
         try:
-            out.append([doc["r_max"]] + [doc["r_max"] if policy is None else derive(row, policy)
-                                         for row in r["scores"]])
+            if policy is None:  # (a full-depth recording, CB's, read no scores: output_len - 1 decode tokens)
+                out.append([doc["r_max"]] * max(1, r["output_len"]))
+            else:
+                out.append([doc["r_max"]] + [derive(row, policy) for row in r["scores"]])
         except MissingScore as e:
             raise ParamError("replay_exits", f"{workload} request {i}: {e}; record with --r-min "
                                              f"{doc['r_max']} to replay any policy") from None
@@ -169,6 +171,17 @@ def requests_of(doc: dict, workload: str) -> list[dict]:
     if workload not in ws:
         raise ParamError("replay_exits", f"no recorded exits for workload {workload!r}; the file has {sorted(ws)}")
     return ws[workload]["requests"]
+
+
+POOLED = "all"
+
+
+def pooled(doc: dict) -> dict:
+    """The file with its workloads as one, `all`: every workload's requests in the file's order
+    (an evaluation's tasks, which lm-eval sends to the model together)."""
+    reqs = [r for w in doc["workloads"].values() for r in w["requests"]]
+    return {**doc, "workloads": {POOLED: {"scale": None, "seed": None, "pooled": sorted(doc["workloads"]),
+                                          "requests": reqs}}}
 
 
 def make_replay_requests(doc: dict, workload: str, vocab_size: int, max_model_len: int, seed: int = 0
