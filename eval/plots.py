@@ -1,5 +1,6 @@
 """Sweep plots from a sweep's results.csv: accuracy vs engine throughput with the Pareto front
-(pareto.png), and accuracy vs exit threshold per r_min / KV layout / lookahead (threshold.png)."""
+(pareto.png: the simulated or emulated GPU's throughput when the sweep has one, the CPU bench's
+beside it), and accuracy vs exit threshold per r_min / KV layout / lookahead (threshold.png)."""
 from __future__ import annotations
 
 import csv
@@ -7,6 +8,10 @@ import math
 from pathlib import Path
 
 TPS = "bench/output_tokens_per_s"
+# the throughput axes a sweep's CSV can have (eval.sweep --throughput): column -> axis label
+AXES = {"emulated/output_tokens_per_s": "output tokens/s, emulated {gpu} (real engine, wall clock)",
+        "sim/output_tokens_per_s": "output tokens/s, simulated {gpu} ({model})",
+        TPS: "output tokens/s (offline bench, this CPU)"}
 LAYOUT_MARKERS = {"last_exited": "o", "shared": "s", "full_depth": "D", "first_then_shared": "^"}
 BREAK_TOL = 0.01  # accuracy "breaks" once it falls more than this (1 point) below full depth
 
@@ -84,9 +89,9 @@ def _legend(ax, rows: list[dict], colors: dict[str, str]) -> None:
     ax.legend(fontsize=6)
 
 
-def _pareto_panel(ax, rows: list[dict], metric: str, colors: dict[str, str]) -> None:
+def _pareto_panel(ax, rows: list[dict], metric: str, colors: dict[str, str], x_col: str = TPS) -> None:
     sign = -1.0 if lower_is_better(metric) else 1.0
-    xy = [(_num(r.get(TPS)), _num(r.get(metric))) for r in rows]
+    xy = [(_num(r.get(x_col)), _num(r.get(metric))) for r in rows]
     for r, (x, y) in zip(rows, xy):
         ax.scatter(x, y, alpha=0.85, **_style(r, colors))
     ok = [i for i, (x, y) in enumerate(xy) if not (math.isnan(x) or math.isnan(y))]
@@ -111,7 +116,8 @@ def _pareto_panel(ax, rows: list[dict], metric: str, colors: dict[str, str]) -> 
             ax.axvline(x, color="red", ls=":", lw=1)
             ax.annotate(f"accuracy breaks (> {BREAK_TOL:g} below full depth)", (x, ax.get_ylim()[0]), fontsize=6,
                         color="red", rotation=90, xytext=(2, 4), textcoords="offset points", va="bottom")
-    ax.set_xlabel("output tokens/s (offline bench)")
+    ax.set_xlabel(AXES.get(x_col, x_col).format(gpu=rows[0].get("sim/gpu", "").upper(),
+                                                model=rows[0].get("sim/model", "")), fontsize=8)
     ax.set_ylabel(metric + (" (lower is better)" if sign < 0 else ""))
     ax.set_title("dashed: Pareto front", fontsize=8)
 
@@ -132,9 +138,12 @@ def plot(csv_path: str | Path, metric: str = "score", out: str | Path | None = N
 
     colors = _colors(rows)
     pareto_metrics = [m for m in (metric, "looped_ppl/bits_per_byte") if m in cols]
-    fig, axes = plt.subplots(1, len(pareto_metrics), figsize=(6 * len(pareto_metrics), 4.5), squeeze=False)
-    for ax, m in zip(axes[0], pareto_metrics):
-        _pareto_panel(ax, rows, m, colors)
+    xs = [c for c in AXES if c in cols] or [TPS]  # a simulated GPU's axis first, the CPU's as a second panel
+    fig, axes = plt.subplots(len(pareto_metrics), len(xs), figsize=(6 * len(xs), 4.5 * len(pareto_metrics)),
+                             squeeze=False)
+    for i, m in enumerate(pareto_metrics):
+        for j, x_col in enumerate(xs):
+            _pareto_panel(axes[i][j], rows, m, colors, x_col)
     _legend(axes[0][0], rows, colors)
     fig.suptitle(f"{name}: accuracy vs throughput")
     fig.tight_layout()

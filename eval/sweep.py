@@ -7,11 +7,20 @@ otherwise) and to results.csv / results.json; `plot` draws accuracy vs throughpu
 front) and accuracy vs threshold per r_min.
 
     python -m eval.sweep run eval/sweeps/ouro-demo.yaml --out outputs/sweeps/ouro-demo
+    python -m eval.sweep run eval/sweeps/lab-hops.yaml --throughput sim:h100 --out outputs/sweeps/lab-hops
     python -m eval.sweep plot outputs/sweeps/ouro-demo/results.csv
     wandb sweep eval/sweeps/ouro-demo.yaml && wandb agent <id>   # with a wandb server: runs `point`
 
 `run` executes the grid locally (wandb.sweep() needs a server); points that are the same policy
 (with lookahead the exit depth is >= 2 anyway, so r_min=1 and r_min=2 coincide) run once.
+
+The throughput source (`throughput:` in the sweep file, or --throughput): `cpu`, the offline bench
+on this machine only; `sim:h100` / `sim:h200` also records the exits each point's policy takes on
+the evaluation's own requests (lm-eval's record_exits) and replays them, pooled as lm-eval sent
+them, through the simulator (`python -m infer.sim --replay-exits FILE --pool`, the command is in
+the row); `emulated:h100` does that and runs the same file through the real engine on the emulated
+device (`python -m infer.bench --device emulated:h100`). The replay runs on the checkpoint's own
+shape, or on `sim_model` (e.g. ouro-1.4b: the recorded depths on the paper's shape).
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import csv
 import itertools
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +42,9 @@ from kv_layouts import DEFAULT_LAYOUT
 SETTINGS = ("exit_criterion", "exit_threshold", "r_min", "kv_layout", "lookahead", "policy")
 DEFAULTS = dict(tasks="looped_suite", limit=24, bench_workload="alpaca", bench_requests=16, bench_scale=1.0,
                 bench_repeats=1, batch_size=32, dtype="float32", device="cpu", load_format="auto", seed=0,
-                baselines=True, bootstrap_iters=100, project="looped-eval")
+                baselines=True, bootstrap_iters=100, project="looped-eval",
+                throughput="cpu", sim_model=None, sim_batch_size=64)
+THROUGHPUTS = ("cpu", "sim:h100", "sim:h200", "emulated:h100", "emulated:h200")
 
 
 # ---------------------------------------------------------------- grid
@@ -93,11 +105,15 @@ def flatten(results: dict) -> dict[str, float]:
     return out
 
 
-def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager) -> dict[str, float]:
+def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager,
+                   record_exits: Path | None = None) -> dict[str, float]:
+    """The point's lm-eval metrics and mean exit depth; `record_exits`: also write the exits it
+    took (lm-eval's record_exits model arg) to that file."""
     from eval.lm import LoopedEvalLM, simple_evaluate
 
     lm = LoopedEvalLM(model, tokenizer=tokenizer, batch_size=cfg["batch_size"], dtype=cfg["dtype"],
-                      device=cfg["device"], **{k: point[k] for k in SETTINGS if point.get(k) is not None})
+                      device=cfg["device"], record_exits=record_exits,
+                      **{k: point[k] for k in SETTINGS if point.get(k) is not None})
     tasks = cfg["tasks"].split(",") if isinstance(cfg["tasks"], str) else list(cfg["tasks"])
     res = simple_evaluate(lm, tasks=tasks, limit=cfg["limit"], task_manager=task_manager,
                           bootstrap_iters=cfg["bootstrap_iters"], log_samples=False, random_seed=cfg["seed"],
@@ -118,6 +134,95 @@ def bench_point(pretrained, point: dict, cfg: dict) -> dict[str, float]:
             for _ in range(int(cfg["bench_repeats"]))]
     res = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]  # the median run
     return {f"bench/{k}": float(v) for k, v in res.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def check_throughput(source: str) -> str:
+    if source not in THROUGHPUTS:
+        raise ValueError(f"throughput must be one of {list(THROUGHPUTS)}, got {source!r}")
+    return source
+
+
+# the simulated row's fields: the point's mode in the simulator's (and emulated bench's) JSON
+SIM_FIELDS = ("output_tokens_per_s", "speedup_vs_cb", "s_e2e", "fraction_of_bound", "compute_ratio",
+              "weight_traffic_ratio", "mean_exit_depth")
+
+
+def sim_shape(cfg: dict) -> str:
+    """What the replay runs on: `sim_model` (a paper shape or preset), else the checkpoint folder."""
+    shape = cfg.get("sim_model") or cfg.get("pretrained")
+    if not isinstance(shape, (str, Path)):
+        raise ValueError(f"throughput {cfg['throughput']} replays on the checkpoint's shape: give `pretrained` (its "
+                         "folder) or `sim_model` (e.g. ouro-1.4b)")
+    return str(shape)
+
+
+def replay_argv(point: dict, cfg: dict, exits: Path, out: Path) -> list[str]:
+    """The flags that replay a point's recorded exits on the sweep's GPU (infer.sim and the
+    emulated bench take the same): the shape, the point's KV layout and lookahead, the batch, the
+    file's workloads pooled, and the modes CB, CDB refill K=1 (the engine's default) and full depth."""
+    argv = ["--model", sim_shape(cfg), "--replay-exits", str(exits), "--pool", "--ks", "1",
+            "--max-batch-size", str(int(cfg["sim_batch_size"])), "--out", str(out)]
+    if point.get("kv_layout"):
+        argv += ["--kv-layout", point["kv_layout"]]
+    if point.get("lookahead"):
+        argv += ["--lookahead"]
+    return argv
+
+
+def _mode_fields(block: dict, point: dict, prefix: str) -> dict:
+    by = {r["mode"]: r for r in block["results"]}
+    r = by["cb" if point.get("policy") == "cb" else "cdb_refill_k1"]
+    out = {f"{prefix}/{k}": r[k] for k in SIM_FIELDS}
+    out[f"{prefix}/cb_output_tokens_per_s"] = by["cb"]["output_tokens_per_s"]
+    out[f"{prefix}/full_depth_vs_cb"] = by["cdb_full_depth"]["output_tokens_per_s"] / by["cb"]["output_tokens_per_s"]
+    return out
+
+
+def sim_point(point: dict, cfg: dict, exits: Path, out: Path) -> dict:
+    """The point's recorded exits replayed by `python -m infer.sim` (run here, its command in the
+    row): the point's policy (CB for the CB point, else CDB refill K=1) on the sweep's GPU."""
+    from infer.sim.__main__ import main as sim_main
+
+    gpu = cfg["throughput"].split(":")[1]
+    shutil.rmtree(out, ignore_errors=True)  # (the JSON read back is this run's)
+    argv = replay_argv(point, cfg, exits, out) + ["--gpu", gpu]
+    sim_main(argv)
+    doc = json.loads(next(out.glob("sim_*.json")).read_text())
+    own = cfg.get("sim_model") is None
+    return {**_mode_fields(doc["workloads"][0], point, "sim"), "sim/gpu": gpu,
+            "sim/model": f"{Path(sim_shape(cfg)).name} (own shape)" if own else
+            f"{cfg['sim_model']} (recorded depths on its shape)",
+            "sim/requests": doc["workloads"][0]["workload"]["num_requests"], "sim/exits": str(exits),
+            "sim/command": "python -m infer.sim " + " ".join(argv)}
+
+
+def emulated_point(point: dict, cfg: dict, exits: Path, out: Path) -> dict:
+    """The same replay through the real engine on the emulated device, on the wall clock
+    (`python -m infer.bench --device emulated:...`, one repeat), and its ratio to the simulator's."""
+    from infer.bench.offline import main as bench_main
+
+    shutil.rmtree(out, ignore_errors=True)
+    argv = replay_argv(point, cfg, exits, out) + ["--device", cfg["throughput"], "--repeats", "1",
+                                                              "--no-norefill"]
+    bench_main(argv)
+    doc = json.loads(next(out.glob("*.json")).read_text())
+    return {**_mode_fields(doc["workloads"][0], point, "emulated"),
+            "emulated/command": "python -m infer.bench " + " ".join(argv)}
+
+
+def measure_point(model, tokenizer, pretrained, point: dict, cfg: dict, tm, out: Path) -> dict:
+    """One point's row: accuracy, the CPU bench, and the sweep's GPU source (module docstring)."""
+    source = check_throughput(cfg.get("throughput") or "cpu")
+    exits = None if source == "cpu" else out / "exits" / f"{point_name(point)}.exits.json"
+    if exits is not None:
+        sim_shape(cfg)  # (refused before the evaluation)
+    row = {**evaluate_point(model, tokenizer, point, cfg, tm, exits), **bench_point(pretrained, point, cfg)}
+    if exits is not None:
+        row.update(sim_point(point, cfg, exits, out / "sim" / point_name(point)))
+    if source.startswith("emulated:"):
+        row.update(emulated_point(point, cfg, exits, out / "emulated" / point_name(point)))
+        row["emulated_vs_sim"] = row["emulated/output_tokens_per_s"] / row["sim/output_tokens_per_s"]
+    return row
 
 
 def point_name(p: dict) -> str:
@@ -163,6 +268,7 @@ def resolve_sweep(sweep: str | Path, overrides: dict[str, Any] | None) -> tuple[
             else:
                 del grid[k]
     cfg = {**DEFAULTS, **spec["fixed"], **{k: v for k, v in (overrides or {}).items() if k not in grid}}
+    check_throughput(cfg["throughput"])  # before the first point's evaluation, not after it
     return spec, grid, cfg
 
 
@@ -193,7 +299,7 @@ def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | No
             first, metrics = done[key]
             metrics = {**metrics, "same_policy_as": first}
         else:
-            metrics = {**evaluate_point(model, tokenizer, point, cfg, tm), **bench_point(pretrained, point, cfg)}
+            metrics = measure_point(model, tokenizer, pretrained, point, cfg, tm, out)
             done[key] = (point_name(point), metrics)
         settings = {k: point.get(k) for k in SETTINGS}
         settings["policy"] = settings["policy"] or "cdb"
@@ -202,13 +308,14 @@ def run_sweep(sweep: str | Path, out: str | Path, overrides: dict[str, Any] | No
         rows.append(row)
         write_table(rows, out)  # after every point, so a long sweep can be inspected while it runs
         print(json.dumps({k: row[k] for k in ("name", "score", "mean_exit_depth", "bench/output_tokens_per_s",
+                                              "sim/speedup_vs_cb", "sim/fraction_of_bound", "emulated_vs_sim",
                                               "seconds") if k in row}), flush=True)
     plot(out / "results.csv")
     return rows
 
 
 # ---------------------------------------------------------------- the same grid on Ray workers
-def _ray_point(pretrained: str, point: dict, cfg: dict, threads: int | None) -> tuple[dict, float]:
+def _ray_point(pretrained: str, point: dict, cfg: dict, threads: int | None, out: str) -> tuple[dict, float]:
     """One Ray task: load the model on the worker's device, then the point's accuracy + throughput."""
     import torch
 
@@ -222,7 +329,7 @@ def _ray_point(pretrained: str, point: dict, cfg: dict, threads: int | None) -> 
     model, tok = load_model(pretrained, cfg["dtype"], cfg["device"], load_format=cfg["load_format"])
     if tok is None and cfg.get("tokenizer"):
         tok = LoopedEvalLM._tokenizer(cfg["tokenizer"])
-    metrics = {**evaluate_point(model, tok, point, cfg, task_manager()), **bench_point(pretrained, point, cfg)}
+    metrics = measure_point(model, tok, pretrained, point, cfg, task_manager(), Path(out))
     return metrics, time.perf_counter() - t0
 
 
@@ -257,7 +364,7 @@ def run_sweep_ray(sweep: str | Path, out: str | Path, overrides: dict[str, Any] 
         while todo or running:
             while todo and len(running) < (workers or len(todo) + len(running)):
                 key, p = todo.pop(0)
-                running[task.remote(pretrained, p, cfg, None if cuda else 1)] = key
+                running[task.remote(pretrained, p, cfg, None if cuda else 1, str(out.resolve()))] = key
             done, _ = ray.wait(list(running), num_returns=1)
             for ref in done:
                 key = running.pop(ref)
@@ -300,6 +407,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="override parameters, e.g. limit=20 pretrained=checkpoints/x 'r_min=[1,3]' (a list "
                         "replaces a grid axis, a scalar fixes it)")
     r.add_argument("--no-wandb", action="store_true")
+    r.add_argument("--throughput", choices=THROUGHPUTS, default=None,
+                   help="the GPU throughput source beside the CPU bench (default: the sweep file's `throughput`, "
+                        "else cpu only; module docstring)")
     r.add_argument("--ray", action="store_true", help="run the points as Ray tasks, one device each "
                    "(the `distributed` extra; docs/distributed.md)")
     r.add_argument("--ray-address", default=None, help="with --ray: an existing cluster (default: a local one)")
@@ -317,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         over = {k: _value(v) for k, v in over.items()}
         if a.no_wandb:
             over["wandb"] = False
+        if a.throughput:
+            over["throughput"] = a.throughput
         name = load_sweep(a.sweep)["name"]
         if a.ray:
             run_sweep_ray(a.sweep, a.out or Path("outputs/sweeps") / name, over, a.ray_address, a.workers)
@@ -346,8 +458,7 @@ def run_agent_point(flags: list[str], out: Path) -> dict:
     cfg.update(dict(run.config))
     point = {k: cfg.get(k) for k in SETTINGS}
     model, tok = load_model(cfg["pretrained"], cfg["dtype"], cfg["device"], load_format=cfg["load_format"])
-    row = {**evaluate_point(model, tok or cfg.get("tokenizer"), point, cfg, task_manager()),
-           **bench_point(cfg["pretrained"], point, cfg)}
+    row = measure_point(model, tok or cfg.get("tokenizer"), cfg["pretrained"], point, cfg, task_manager(), out)
     run.log(row)
     run.finish()
     return row

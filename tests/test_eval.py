@@ -312,3 +312,49 @@ def test_record_exits_model_arg_replays_the_run(tiny, tmp_path, monkeypatch):
     out = json.loads(next((tmp_path / "sim").glob("sim_*.json")).read_text())
     ws = {w["workload"]["workload"]: w["workload"] for w in out["workloads"]}
     assert set(ws) == {"ll", "gen"} and ws["ll"]["mean_output_len"] == 4 and ws["gen"]["num_requests"] == 1
+
+
+# ---------------------------------------------------------------- the sweep's GPU throughput (issue 40)
+@pytest.mark.slow  # two points: lm-eval, the CPU bench, the simulator and the emulated bench each (~15 s)
+def test_sweep_sim_column_equals_a_separate_replay_of_the_points_file(tiny, tmp_path):
+    """--throughput emulated:h100: every row's simulated tokens/s is what `python -m infer.sim` gives
+    on that point's recorded file (its command, re-run here); the CB row replays at full depth; the
+    emulated bench's tokens/s stands beside it; the plot gets the GPU axis and keeps the CPU's."""
+    from infer.sim.__main__ import main as sim_main
+    folder, model, tok = tiny
+    spec = yaml.safe_load((ROOT / "eval" / "sweeps" / "smoke.yaml").read_text())
+    spec["parameters"]["tasks"] = {"value": "looped_reasoning"}
+    spec["parameters"]["exit_threshold"] = {"value": THRESHOLD}
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "sweep"
+    rows = sweep.run_sweep(path, out, {"limit": 4, "bench_requests": 2, "batch_size": 4, "dtype": "float64",
+                                       "pretrained": str(folder), "throughput": "emulated:h100", "wandb": False,
+                                       "sim_model": "ouro-1.4b", "baselines": True}, model=model, tokenizer=tok)
+    assert [r["policy"] for r in rows] == ["cdb", "cb"]
+    for r in rows:
+        again = tmp_path / ("again-" + r["name"])
+        argv = r["sim/command"].split()[3:]
+        argv[argv.index("--out") + 1] = str(again)
+        sim_main(argv)
+        doc = json.loads(next(again.glob("sim_*.json")).read_text())
+        mode = "cb" if r["policy"] == "cb" else "cdb_refill_k1"
+        (want,) = [x for x in doc["workloads"][0]["results"] if x["mode"] == mode]
+        assert r["sim/output_tokens_per_s"] == want["output_tokens_per_s"]
+        assert r["sim/requests"] == 4 and r["sim/model"].startswith("ouro-1.4b")
+        assert r["emulated/output_tokens_per_s"] > 0 and r["emulated_vs_sim"] > 0
+    cdb, cb = rows
+    assert cb["sim/mean_exit_depth"] == 4 and cb["sim/speedup_vs_cb"] == 1.0
+    assert cdb["sim/mean_exit_depth"] == pytest.approx(cdb["mean_exit_depth"])  # the depths the evaluation took
+    assert cdb["sim/compute_ratio"] < 1 and cdb["sim/speedup_vs_cb"] > 1
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert "sim/fraction_of_bound" in header and "bench/output_tokens_per_s" in header
+    assert (out / "pareto.png").stat().st_size > 1000
+
+
+def test_sweep_refuses_an_unknown_throughput_before_evaluating(tmp_path):
+    with pytest.raises(ValueError, match="throughput must be one of"):
+        sweep.resolve_sweep(ROOT / "eval" / "sweeps" / "smoke.yaml", {"throughput": "sim:tpu"})
+    cfg = {**sweep.DEFAULTS, "throughput": "sim:h100", "pretrained": None}
+    with pytest.raises(ValueError, match="give `pretrained`"):
+        sweep.measure_point(None, None, None, {}, cfg, None, tmp_path)
