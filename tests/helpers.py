@@ -18,7 +18,9 @@ THRESHOLD = 0.55  # the exit threshold of the equality tests: exits really vary 
 MODES = {"cb": dict(policy="cb"), "norefill": dict(policy="cdb", refill=False),
          "refill_k1": dict(policy="cdb", refill=True, min_coda_batch=1),
          "refill_k4": dict(policy="cdb", refill=True, min_coda_batch=4)}
-MODES_KBIG = {**MODES, "refill_kbig": dict(policy="cdb", refill=True, min_coda_batch=1000)}  # K above any batch
+MODES_KBIG = {**MODES, "refill_kbig": dict(policy="cdb", refill=True, min_coda_batch=1000),  # K above any batch
+              # K decided from the launches' wall-clock cost (scheduling varies run to run; outputs may not)
+              "refill_auto": dict(policy="cdb", refill=True, min_coda_batch="auto")}
 LAYOUTS = ["last_exited", "shared", "full_depth"]
 
 

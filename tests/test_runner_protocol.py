@@ -19,9 +19,10 @@ MEMBERS = sorted(set(typing.get_type_hints(Runner)) |
 
 def test_the_protocol_names_what_callers_use():
     # what the engine (run, padded, swap; reenter and to_host under on-device token re-entry), the
-    # server (device_info, clock) and the instruments (attention_stats) read: a member callers use but
-    # the protocol lacks would not be listed
-    assert MEMBERS == ["attention_stats", "clock", "device_info", "padded", "reenter", "run", "swap", "to_host"]
+    # server (device_info, clock), the instruments (attention_stats) and min_coda_batch="auto"
+    # (last_seconds) read: a member callers use but the protocol lacks would not be listed
+    assert MEMBERS == ["attention_stats", "clock", "device_info", "last_seconds", "padded", "reenter", "run", "swap",
+                       "to_host"]
 
 
 @pytest.mark.parametrize("cls", [ModelRunner, SimRunner, E.EmulatedRunner])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
+from infer.engine.config import EngineConfig, coda_batch_arg, add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import add_load_args, load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.progress import progress
@@ -82,7 +82,8 @@ def run_engine(eng, mode: dict, requests: list[Request], progress=None, keep_tra
     if bad:
         raise RuntimeError(f"{mode['name']}: requests {bad[:5]} produced a different number of tokens than asked")
     return raw_from(mode, eng.trace, seconds, outs, eng.config, keep_trace, prefix_cache(eng.metrics(), m0),
-                    work_counts(eng.trace, eng.model.cfg, eng.model.dtype.itemsize), eng.speculative_metrics(sp0))
+                    work_counts(eng.trace, eng.model.cfg, eng.model.dtype.itemsize), eng.speculative_metrics(sp0),
+                    eng.auto_coda_metrics())
 
 
 def run_mode(model, tokenizer, requests: list[Request], mode: dict, base: dict, progress=None,
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: all three (with --replay-exits: the file's)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--scale", default="auto", help="length scale in (0, 1], or 'auto' (fit the model's context)")
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 4], help="minimum coda batch sizes for cdb refill")
+    p.add_argument("--ks", type=coda_batch_arg, nargs="+", default=[1, 4], help="minimum coda batch sizes for cdb refill")
     p.add_argument("--no-norefill", action="store_true")
     p.add_argument("--no-full-depth", action="store_true", help="skip the cdb full-depth (no exits) run")
     p.add_argument("--repeats", type=int, default=3)

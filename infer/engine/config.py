@@ -35,7 +35,8 @@ def _f(default, help: str):
 class EngineConfig:
     policy: str = _f("cdb", "cb (continuous batching, the baseline) or cdb")
     refill: bool = _f(True, "cdb: interleave stages (the paper's refill) instead of running cohorts")
-    min_coda_batch: int = _f(1, "cdb refill: exits that must wait before a coda runs (the paper's K)")
+    min_coda_batch: int | str = _f(1, "cdb refill: exits that must wait before a coda runs (the paper's K), or "
+                                      "auto: decided at each step from what launches cost (auto_coda.py)")
     kv_layout: str | None = _f(None, f"KV layout: {', '.join(LAYOUT_NAMES)} (S depth slots per core layer, step s "
                                      f"in slot min(s, S); S = 2 unless given); default: the checkpoint's, else "
                                      f"{DEFAULT_LAYOUT}")
@@ -121,7 +122,10 @@ class EngineConfig:
         check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
         check_prefix_caching(self.kv_layout, self.enable_prefix_caching, self.prefill)
         check_speculation(self.kv_layout, self.speculative_tokens, self.draft_depth)
-        for name in ("min_coda_batch", "max_batch_size", "max_prefill_tokens", "block_size", "speculative_max_batch"):
+        if self.min_coda_batch != "auto" and (not isinstance(self.min_coda_batch, int) or self.min_coda_batch < 1):
+            raise ParamError("min_coda_batch", f"min_coda_batch must be an integer >= 1 or 'auto', got "
+                                               f"{self.min_coda_batch!r}")
+        for name in ("max_batch_size", "max_prefill_tokens", "block_size", "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ParamError(name, f"{name} must be an integer >= 1, got {v!r}")
@@ -283,7 +287,17 @@ def _kv_layout_arg(name: str) -> str:
 _CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "exit_criterion": CRITERIA,
             "scheduling_policy": SCHEDULING_POLICIES}
 _TYPES = {"str": str, "int": int, "float": float}
-_FIELD_TYPES = {"kv_layout": _kv_layout_arg}  # validating types in place of choices
+def coda_batch_arg(v: str) -> int | str:
+    """argparse type of --min-coda-batch: an integer, or auto."""
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer >= 1 or auto, not {v!r}") from None
+
+
+_FIELD_TYPES = {"kv_layout": _kv_layout_arg, "min_coda_batch": coda_batch_arg}  # validating types in place of choices
 _METAVARS = {"kv_layout": "{" + ",".join(n.replace("[:S]", ",first_then_shared:S") for n in LAYOUT_NAMES) + "}"}
 
 

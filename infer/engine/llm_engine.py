@@ -18,6 +18,7 @@ from looplm.errors import ParamError
 from looplm.model import LoopedLM
 from looplm.policy import ExitTracker
 
+from .auto_coda import AutoCoda, LaunchTimer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
@@ -101,6 +102,12 @@ class LLMEngine:
                                    r_full=cfg.r_max)
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=c.cuda_graphs)
+        self._launch_timer: LaunchTimer | None = None
+        self._virtual = self.runner.clock is not None  # the simulator's or the emulated device's runner
+        if c.min_coda_batch == "auto" and c.policy == "cdb" and c.refill:
+            self.scheduler.auto = AutoCoda(self.runner.padded)
+            if self.runner.clock is None and model.device.type == "cuda":
+                self._launch_timer = LaunchTimer(model.device)
         # CUDA graphs: every key the scheduler can emit, captured now rather than while requests wait
         graphs = getattr(self.runner, "graphs", None)
         self.graph_capture = graphs.capture(self.runner.graph_keys(c.policy == "cb", cfg.r_max)) if graphs else None
@@ -191,7 +198,10 @@ class LLMEngine:
         if work is None:
             return self._resolve(None, None)[0] if self._pending is not None else []
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
-        out = self._launch(work) if self.on_launch else self.runner.run(work)
+        if self.scheduler.auto is not None:
+            out = self._timed(work)
+        else:
+            out = self._launch(work) if self.on_launch else self.runner.run(work)
         # Re-entry: the ids of the last stage that emitted are read now that the device has this launch
         # queued behind it (a prelude's is too short to hide the host's output processing behind:
         # the next launch, a core step, does)
@@ -240,6 +250,29 @@ class LLMEngine:
             rows = to_device(keep + list(range(n, out.logits.shape[0])), out.logits.device)
             return Emitted(out.logits.index_select(0, rows), out.prompt_logits)
         return KeptScores(out, keep)
+
+    def _timed(self, work: Work):
+        """A launch whose cost min_coda_batch="auto" learns (auto_coda.py): a virtual runner's priced
+        seconds; on a CPU the wall clock (launches are synchronous); on CUDA its events, read once
+        done at a later step (LaunchTimer)."""
+        sch, timer = self.scheduler, self._launch_timer
+        idle, slots = len(sch.coda_q), sch.num_running  # (Scheduler.idle)
+        if timer is not None:
+            for stage, n, ch, secs in timer.done():
+                sch.auto.learn(stage, n, secs, ch)
+            ev = timer.start()
+            out = self._launch(work) if self.on_launch else self.runner.run(work)
+            timer.stop(ev, work.stage, len(work.seqs), bool(work.chunks))
+            secs = None
+        elif self._virtual:
+            out = self._launch(work) if self.on_launch else self.runner.run(work)
+            secs = self.runner.last_seconds
+        else:
+            t0 = time.perf_counter()
+            out = self._launch(work) if self.on_launch else self.runner.run(work)
+            secs = time.perf_counter() - t0
+        sch.auto.observe(work.stage, len(work.seqs), secs, idle, slots, bool(work.chunks))
+        return out
 
     def _launch(self, work: Work):
         """`runner.run` with the instruments of `on_launch` around it: each is called with
@@ -337,10 +370,15 @@ class LLMEngine:
     def mean_exit_depth(self) -> float:
         return self.stats["depth_sum"] / max(1, self.stats["tokens"])
 
+    def auto_coda_metrics(self) -> dict | None:
+        """What min_coda_batch="auto" decided so far (AutoCoda.describe); None under a fixed K."""
+        return self.scheduler.auto.describe() if self.scheduler.auto is not None else None
+
     def metrics(self) -> dict:
         """Queue lengths, KV memory and token counters (what a server's /metrics shows)."""
         b = self.blocks
-        return {"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
+        auto = self.auto_coda_metrics()
+        return {**(_auto_coda_gauges(auto) if auto else {}),"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
                 "kv_usage": b.usage, "kv_free_blocks": b.num_free, "kv_total_blocks": b.num_blocks,
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
                 "stage_calls": dict(self.stats["stage_calls"]),
@@ -360,3 +398,12 @@ class LLMEngine:
                 "swap_bytes": moved * self.block_bytes + 2 * c["preemptions"] * self.slot_bytes,
                 "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": h / q if q else 0.0,
                 "prefix_cache_blocks": len(self.blocks.cached), "prefix_cache_evictions": self.blocks.evictions}
+
+
+def _auto_coda_gauges(d: dict) -> dict:
+    """min_coda_batch="auto" in metrics(): codas run, their mean batch (the K chosen), the coda
+    batch histogram, and the last decision's predicted costs (waiting vs launching, seconds)."""
+    last = d["last_decision"] or {}
+    return {"auto_coda_codas": d["codas"], "auto_coda_mean_k": d["mean_k"] or 0.0, "auto_coda_k_hist": d["k_hist"],
+            "auto_coda_hold_s": last.get("hold_s", 0.0), "auto_coda_launch_s": last.get("launch_s", 0.0),
+            "auto_coda_waiting": last.get("waiting", 0)}

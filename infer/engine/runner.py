@@ -64,6 +64,8 @@ class Runner(Protocol):
     device_info: dict | None
     # seconds on the virtual clock (the simulator's and emulated device's); None: wall time is real
     clock: float | None
+    # the seconds a virtual runner priced the last launch at (what min_coda_batch="auto" learns); None: real
+    last_seconds: float | None
 
     def run(self, work: Work) -> Emitted | Scores | SpecOut | None: ...
 
@@ -148,6 +150,7 @@ class ModelRunner:
 
     device_info = None  # a real device (Runner.device_info)
     clock = None  # wall time is real (Runner.clock)
+    last_seconds = None  # (Runner.last_seconds: a real launch is not priced; the engine times it)
 
     def padded(self, n: int) -> int:
         return padded_batch(n, self.max_batch_size, self.pad_pow2)

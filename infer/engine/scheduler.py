@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from looplm.policy import ExitTracker
 
+from .auto_coda import AutoCoda
 from .block_manager import BlockManager
 from .chunks import ChunkQueues, final_chunks
 from .preemption import Preemption, SwapOp
@@ -104,6 +105,8 @@ class Scheduler:
         # preempted sequences (preemption.py's containers, changed in place only)
         self.swapped, self.stalled = self.preemption.swapped, self.preemption.stalled
         self.last_stage: Stage | None = None
+        # min_coda_batch="auto" (auto_coda.py): set by the engine, which knows the runner's padding
+        self.auto: AutoCoda | None = None
         self._pending: tuple[list[Sequence], Scores] | None = None  # pipeline: the last core step's scores
 
     # ---------------------------------------------------------------- state
@@ -192,11 +195,21 @@ class Scheduler:
             return self._take(CORE) or self._take(CODA) or self._prefill() or self._prelude()
         if self.last_stage in (PREFILL, CODA) and (self.prelude_q or at[PRELUDE]):
             return self._prelude()
-        if (self.coda_q or at[CODA]) and (len(self.coda_q) >= c.min_coda_batch or at[CODA]
-                                          or not (self.core_q or at[CORE])):
+        if (self.coda_q or at[CODA]) and (at[CODA] or not (self.core_q or at[CORE]) or self._coda_now()):
             return self._take(CODA)  # (a finished chunk counts as K exits: its first token waits)
         return self._prefill() or self._take(CORE) or self._prelude()
 
+    def _coda_now(self) -> bool:
+        """Refill: the waiting exits' coda now, rather than another core step first: K of them wait,
+        or under "auto" the cost rule says so (auto_coda.py)."""
+        if self.auto is None:
+            return len(self.coda_q) >= self.cfg.min_coda_batch
+        return self.auto.coda_now(len(self.coda_q), len(self.core_q), *self.idle())
+
+    def idle(self) -> tuple[int, int]:
+        """(min_coda_batch="auto") The exits waiting for a coda, and the running sequences. (Waiting
+        requests are not counted: most wait for KV memory, which an earlier coda does not free.)"""
+        return len(self.coda_q), self.num_running
 
     def _speculate(self) -> Work | None:
         """Self-speculation (speculative.py) when few sequences run: at most

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
+from infer.engine.config import EngineConfig, coda_batch_arg, add_engine_args, engine_kwargs_from_args
 from looplm.cli import run
 from looplm.layer_split import split_config, split_of
 from looplm.policy import ExitPolicy
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: all three (with --replay-exits: the file's)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--ks", type=coda_batch_arg, nargs="+", default=[1, 4, 16])
     p.add_argument("--gpu", default="h100", choices=sorted(DEVICES),
                    help="the GPU priced: its bandwidth, peak FLOP/s and memory (the KV pool); SXM parts")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: --gpu's; H100 SXM 3.35e12)")

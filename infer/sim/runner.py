@@ -120,6 +120,7 @@ class SimRunner:
         # the host reads its results, or at once where it reads none before the next launch
         self._post, self._post_end = 0.0, -1.0
         self.swap_seconds = 0.0
+        self.last_seconds = 0.0  # the last launch's priced seconds (what min_coda_batch="auto" learns)
         self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
         self.trace: list[TraceRow] = []
         self.first_at: dict[int, float] = {}  # seq_id -> virtual time of its first / latest token
@@ -213,7 +214,7 @@ class SimRunner:
                      prompt_rows=sum(e for _, e in spans),
                      prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
                      finals=len(work.finals))
-        t = self.cost(c)
+        t = self.last_seconds = self.cost(c)
         end = self._charge(*self._split(work.stage, c.padded, t))
         prefill = work.stage is Stage.PREFILL
         self.trace.append(trace_row(

@@ -51,7 +51,7 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
     run = eng.runner
     return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
                     prefix_cache=prefix_cache(eng.metrics()), work=work_counts(run.trace, cfg, cost_bytes(cost)),
-                    speculative=eng.speculative_metrics())
+                    speculative=eng.speculative_metrics(), auto_coda=eng.auto_coda_metrics())
 
 
 def speculation_projection(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]],

@@ -23,7 +23,8 @@ def modes_for(ks=(1, 4), norefill: bool = True, full_depth: bool = True) -> list
     modes = [{"name": "cb", "policy": "cb"}, {"name": "cb_separate", "policy": "cb", "prefill": "separate"}]
     if norefill:
         modes.append({"name": "cdb_norefill", "policy": "cdb", "refill": False})
-    modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": True, "min_coda_batch": int(k)} for k in ks]
+    modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": True,
+               "min_coda_batch": k if k == "auto" else int(k)} for k in ks]
     if full_depth:
         modes.append({"name": "cdb_full_depth", "policy": "cdb", "refill": True, "full_depth": True})
     return modes
@@ -41,10 +42,12 @@ def prefix_cache(after: dict, before: dict | None = None) -> dict:
 
 
 def raw_from(mode: dict, trace: list[TraceRow], seconds: float, outs, config: EngineConfig, keep_trace: bool = True,
-             prefix_cache: dict | None = None, work: dict | None = None, speculative: dict | None = None) -> dict:
+             prefix_cache: dict | None = None, work: dict | None = None, speculative: dict | None = None,
+             auto_coda: dict | None = None) -> dict:
     """The raw record of one run (shared with the simulator, whose trace and seconds are virtual);
     `config` is the engine's resolved config, `work` the run's exact work counts (work.py),
-    `speculative` its self-speculation counters (LLMEngine.speculative_metrics)."""
+    `speculative` its self-speculation counters (LLMEngine.speculative_metrics), `auto_coda` what
+    min_coda_batch="auto" decided (LLMEngine.auto_coda_metrics)."""
     stages: dict[str, dict] = {}
     for r in trace:
         s = stages.setdefault(r["stage"], {"calls": 0, "seconds": 0.0, "items": 0, "score_reads": 0})
@@ -69,7 +72,7 @@ def raw_from(mode: dict, trace: list[TraceRow], seconds: float, outs, config: En
             "traced_seconds": traced,
             "steps": len(trace), "stages": stages, "trace": trace if keep_trace else None,
             "exit_depths": [list(o.exit_depths) for o in outs], "prefix_cache": prefix_cache, "work": work,
-            "speculative": speculative}
+            "speculative": speculative, "auto_coda": auto_coda}
 
 
 def prefill_breakdown(trace: list[dict]) -> dict:
@@ -108,6 +111,7 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "alpha": alpha_cb, "alpha_own": r["prefill_seconds"] / r["traced_seconds"] if r["traced_seconds"] else None,
                "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
                "prefix_cache": r.get("prefix_cache"), "work": r.get("work"), "speculative": r.get("speculative"),
+               "auto_coda": r.get("auto_coda"),
                "exit_depths_crc32": RP.depths_crc32(r["exit_depths"]),  # equal digests: equal per-token depths
                **work_ratios(r["work"], cb["work"] if cb else None),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}

@@ -1,0 +1,156 @@
+"""`min_coda_batch="auto"`: when to launch the waiting exits' coda, decided from what launches cost.
+
+A coda (and the prelude that puts its tokens back into the loop) costs about the same for 4 exits
+as for 40 on a GPU: it reads the coda's and the head's weights once. Launching it for every exit
+pays that fixed cost often; holding exits back keeps their sequences out of the loop, so the core
+steps in between carry fewer tokens. This is the economic order quantity trade-off: an order's
+fixed cost against the cost of holding stock. The rule here is its online form. Every launch made
+while exits wait charges them its time, in proportion to their share of the running sequences
+(`held`: what waiting has cost so far). The coda runs once that cost, plus what one more core step
+would add, reaches the predicted cost of the coda and its prelude: the balance at the economic order
+quantity (holding cost per cycle = order cost), with no constant tuned. Ouro-1.4B's coda is its head
+alone (cheap next to 24 core layers), so it runs at once (K = 1 in effect). Huginn-3.5B's is two
+layers plus the head (more than its 4-layer core step), so exits gather, as the paper's K ~ W/4
+does by hand.
+
+Costs come from `StageCosts`: the seconds each launch took (a virtual runner's `last_seconds`, the
+simulator's or the emulated device's cost model; the wall clock on a CPU, where launches are
+synchronous), per stage and padded batch, as a moving average. Until a stage has been seen, the
+coda runs at once (K = 1). On CUDA launches are asynchronous: `LaunchTimer` puts CUDA events
+around each and reads those that are done at later steps (`query`, never a wait), and the held
+cost uses the table's prediction until then. Pure bookkeeping: no launch,
+no tensor. Scheduling never changes tokens or exit depths, so exactness is untouched.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from .sequence import Stage
+
+EMA = 0.2  # weight of a new observation in a stage's moving average
+
+
+class StageCosts:
+    """Seconds per launch, per (stage, padded batch): a moving average of what launches took.
+    `predict` interpolates linearly between the padded sizes seen (flat outside them). Launches
+    that carried prompt chunks cost what the chunks add too (a chunk rides through every core
+    step): they count only until the stage has run without any, then its row starts again."""
+
+    def __init__(self):
+        self.table: dict[Stage, dict[int, float]] = {}
+        self.clean: set[Stage] = set()  # stages whose row holds launches without prompt chunks only
+
+    def observe(self, stage: Stage, padded: int, seconds: float, chunks: bool = False) -> None:
+        if chunks and stage in self.clean:
+            return
+        if not chunks and stage not in self.clean:
+            self.clean.add(stage)
+            self.table.pop(stage, None)
+        row = self.table.setdefault(stage, {})
+        old = row.get(padded)
+        row[padded] = seconds if old is None else old + EMA * (seconds - old)
+
+    def predict(self, stage: Stage, padded: int) -> float | None:
+        row = self.table.get(stage)
+        if not row:
+            return None
+        t = row.get(padded)
+        if t is not None:
+            return t
+        xs = sorted(row)
+        if padded <= xs[0]:
+            return row[xs[0]]
+        if padded >= xs[-1]:
+            return row[xs[-1]]
+        hi = next(x for x in xs if x > padded)
+        lo = max(x for x in xs if x < padded)
+        return row[lo] + (row[hi] - row[lo]) * (padded - lo) / (hi - lo)
+
+
+class AutoCoda:
+    """The decision (module docstring) and what it decided: a histogram of the batch each coda
+    ran with (the K chosen), and the last decision's predicted costs."""
+
+    def __init__(self, padded: Callable[[int], int]):
+        self._padded = padded
+        self._pads: dict[int, int] = {}  # (the runner's padding, computed once per batch size)
+        self.costs = StageCosts()
+        self.held = 0.0  # seconds of running capacity the waiting exits have cost since the last coda
+        self.k_hist: Counter[int] = Counter()  # coda batch -> codas launched with it
+        self.last: tuple | None = None  # the last decision: (exits waiting, predicted hold, launch cost, now?)
+
+    def padded(self, n: int) -> int:
+        p = self._pads.get(n)
+        if p is None:
+            p = self._pads[n] = self._padded(n)
+        return p
+
+    def coda_now(self, exits: int, in_loop: int, idle: int, slots: int) -> bool:
+        """Launch the coda of the `exits` waiting now, rather than one more core step over `in_loop`
+        items first? `idle` of the `slots` running sequences wait on it (Scheduler.idle)."""
+        predict, pe = self.costs.predict, self.padded(exits)
+        core = predict(Stage.CORE, self.padded(in_loop))
+        coda = predict(Stage.CODA, pe)
+        pre = predict(Stage.PRELUDE, pe)
+        if core is None or coda is None or pre is None:
+            return True  # nothing measured yet: K = 1
+        hold = self.held + idle * core / max(1, slots)  # ... if they wait one more core step
+        now = hold >= coda + pre
+        self.last = (exits, hold, coda + pre, now)
+        return now
+
+    def observe(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int,
+                chunks: bool = False) -> None:
+        """A launch of `batch` decode items (and prompt chunks, if `chunks`) took `seconds` (None:
+        not known); `idle` of `slots` waited through it (coda_now)."""
+        if stage is Stage.CODA:
+            self.k_hist[batch] += 1
+            self.held = 0.0
+        elif idle:
+            t = seconds if seconds is not None else self.costs.predict(stage, self.padded(batch))  # (CUDA: later)
+            self.held += idle * (t or 0.0) / max(1, slots)
+        if seconds is not None and batch:
+            self.costs.observe(stage, self.padded(batch), seconds, chunks)
+
+    def learn(self, stage: Stage, batch: int, seconds: float, chunks: bool = False) -> None:
+        """What a launch took, once known (on CUDA, when its events are done: LaunchTimer)."""
+        if batch:
+            self.costs.observe(stage, self.padded(batch), seconds, chunks)
+
+    def describe(self) -> dict:
+        """The K chosen over time (coda batch histogram) and why (the last decision's costs)."""
+        n = sum(self.k_hist.values())
+        return {"codas": n, "mean_k": sum(k * c for k, c in self.k_hist.items()) / n if n else None,
+                "k_hist": dict(sorted(self.k_hist.items())),
+                "last_decision": None if self.last is None else dict(zip(("waiting", "hold_s", "launch_s", "coda_now"),
+                                                                         self.last))}
+
+
+class LaunchTimer:
+    """CUDA: each launch between two events on the device's current stream; `done()` returns
+    (stage, batch, chunks, seconds) of the launches whose end event has completed, oldest first,
+    without waiting for any (Event.query)."""
+
+    def __init__(self, device):
+        import torch
+        self._cuda, self.device = torch.cuda, device
+        self.pending: list[tuple[Stage, int, bool, object, object]] = []
+
+    def _record(self):
+        ev = self._cuda.Event(enable_timing=True)
+        ev.record(self._cuda.current_stream(self.device))
+        return ev
+
+    def start(self):
+        return self._record()
+
+    def stop(self, start, stage: Stage, batch: int, chunks: bool) -> None:
+        self.pending.append((stage, batch, chunks, start, self._record()))
+
+    def done(self) -> list[tuple[Stage, int, bool, float]]:
+        out = []
+        while self.pending and self.pending[0][4].query():
+            stage, batch, chunks, start, end = self.pending.pop(0)
+            out.append((stage, batch, chunks, start.elapsed_time(end) * 1e-3))
+        return out

@@ -1,0 +1,152 @@
+"""min_coda_batch="auto" (infer/engine/auto_coda.py, issue 39): the stage-cost table, the decision
+rule on made-up costs, what it reports (bench JSON, metrics, /metrics), the setting's validation,
+and in the simulator the paper models' contrast (Ouro: the coda at once; Huginn: exits gather).
+Exactness under auto is in the engine's equality suites (helpers.MODES_KBIG's refill_auto)."""
+import pytest
+
+from infer.engine.auto_coda import AutoCoda, StageCosts
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.sampling import SamplingParams
+from infer.engine.sequence import Stage
+from looplm.errors import ParamError
+
+from helpers import model
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def test_stage_costs_interpolate_and_drop_chunk_rows_once_clean():
+    c = StageCosts()
+    assert c.predict(Stage.CORE, 4) is None
+    c.observe(Stage.CORE, 8, 9.0, chunks=True)  # a launch with prompt chunks: used until a clean one comes
+    assert c.predict(Stage.CORE, 8) == 9.0
+    c.observe(Stage.CORE, 2, 1.0)
+    c.observe(Stage.CORE, 8, 4.0)
+    assert c.predict(Stage.CORE, 8) == 4.0  # the chunk row is gone
+    c.observe(Stage.CORE, 8, 99.0, chunks=True)  # ... and chunk launches no longer count
+    assert c.predict(Stage.CORE, 8) == 4.0
+    assert c.predict(Stage.CORE, 4) == pytest.approx(2.0) and c.predict(Stage.CORE, 1) == 1.0
+    assert c.predict(Stage.CORE, 64) == 4.0
+    c.observe(Stage.CORE, 8, 14.0)
+    assert c.predict(Stage.CORE, 8) == pytest.approx(4.0 + 0.2 * 10.0)  # moving average
+
+
+def _auto(core: float, coda: float, prelude: float) -> AutoCoda:
+    a = AutoCoda(pow2)
+    for stage, t in ((Stage.CORE, core), (Stage.CODA, coda), (Stage.PRELUDE, prelude)):
+        for b in (1, 64):
+            a.observe(stage, b, t, idle=0, slots=64)
+    return a
+
+
+def test_cold_start_runs_the_coda_at_once():
+    assert AutoCoda(pow2).coda_now(1, 10, 1, 11)
+
+
+def test_a_cheap_coda_runs_at_once_an_expensive_one_waits_until_waiting_costs_its_share():
+    cheap = _auto(core=1.0, coda=0.02, prelude=0.02)  # Ouro-like: the head alone next to the core
+    assert cheap.coda_now(4, 60, 4, 64)  # (as many exits as the dear coda below waits with)
+    dear = _auto(core=1.0, coda=0.8, prelude=0.6)  # Huginn-like: 2 + 2 layers and the head
+    waits = 0
+    while not dear.coda_now(4, 60, 4, 64):  # 4 exits of 64: each core step costs them 4/64 of it
+        dear.observe(Stage.CORE, 60, 1.0, idle=4, slots=64)
+        waits += 1
+    # it launches once the held cost plus one more step reaches coda + prelude
+    assert (waits + 1) * 4 / 64 >= 1.4 > waits * 4 / 64
+    d = dear.describe()["last_decision"]
+    assert d["coda_now"] and d["hold_s"] >= d["launch_s"] and d["waiting"] == 4
+    dear.observe(Stage.CODA, 4, 0.8, idle=4, slots=64)
+    assert dear.held == 0.0 and dear.describe()["k_hist"] == {1: 1, 4: 1, 64: 1}  # (_auto's two codas, then this one)
+
+
+def test_setting_validation_and_flag():
+    assert EngineConfig(min_coda_batch="auto").min_coda_batch == "auto"
+    for bad in ("often", 0, 2.5):
+        with pytest.raises(ParamError, match="min_coda_batch must be an integer >= 1 or 'auto'"):
+            EngineConfig(min_coda_batch=bad)
+    import argparse
+
+    from infer.engine.config import add_engine_args, engine_kwargs_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs_from_args(p.parse_args(["--min-coda-batch", "auto"]))["min_coda_batch"] == "auto"
+    assert engine_kwargs_from_args(p.parse_args(["--min-coda-batch", "4"]))["min_coda_batch"] == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["--min-coda-batch", "often"])
+
+
+def test_engine_reports_what_auto_decided():
+    """On a CPU the launches' wall-clock seconds are the costs: the engine's metrics (and so the
+    server's /metrics) carry the codas, their batch histogram and the last decision."""
+    from infer.serving.metrics import render_metrics
+    eng = LLMEngine(model("huginn-tiny"), EngineConfig(min_coda_batch="auto", exit_threshold=0.55, max_batch_size=8))
+    for i in range(6):
+        eng.add_request([3 + i, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    d = eng.auto_coda_metrics()
+    assert d["codas"] == eng.metrics()["stage_calls"]["coda"] and sum(d["k_hist"].values()) == d["codas"]
+    m = eng.metrics()
+    assert m["auto_coda_codas"] == d["codas"] and m["auto_coda_k_hist"] == d["k_hist"]
+    assert d["last_decision"] is not None and d["last_decision"]["launch_s"] > 0
+    assert LLMEngine(model("huginn-tiny"), EngineConfig()).auto_coda_metrics() is None
+
+    class Snap:
+        alive = True
+        rate_window_s = 10.0
+        snapshot = {**m, "waiting": 0, "tokens_per_s": 0.0, "engine_keys": list(m),
+                    "counters": {"prompt_tokens": 0, "generation_tokens": 0, "requests_failed": 0,
+                                 "requests_rejected": 0, "requests_aborted": 0, "step_errors": 0,
+                                 "requests_finished": {}}}
+    text = render_metrics(Snap(), "m", {})
+    k, n = next(iter(d["k_hist"].items()))
+    assert f'cdb_auto_coda_batch_total{{model_name="m",k="{k}"}} {n}' in text and "cdb_auto_coda_hold_s" in text
+
+
+def test_simulator_auto_follows_the_models_coda_cost():
+    """Ouro-1.4B (coda = the head): auto runs the coda about as K = 1 does; Huginn-3.5B (coda = 2
+    layers and the head): exits gather (codas 1.5x K = 1's batch or more) and auto beats K = 1."""
+    from infer.sim.cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+    from infer.sim.runner import binomial_depths, depths_from_distribution
+    from infer.sim.simulate import simulate
+    from infer.sim.workloads import make_requests
+    from looplm.presets import paper_config
+    out = {}
+    for name, mean in (("ouro-1.4b", 2.5), ("huginn-3.5b", 9.0)):
+        cfg = paper_config(name)
+        reqs = make_requests("alpaca", 48, seed=0, scale=1.0, max_model_len=2048, vocab_size=cfg.vocab_size)
+        cost = RooflineCost(cfg, host=HostCost.from_json(HOST_JSON), attention="sdpa")
+        modes = [{"name": "cb", "policy": "cb"}, {"name": "k1", "policy": "cdb", "min_coda_batch": 1},
+                 {"name": "auto", "policy": "cdb", "min_coda_batch": "auto"}]
+        blk = simulate(cfg, reqs, cost, depths_from_distribution(binomial_depths(cfg.r_max, mean), reqs, 0), modes,
+                       max_batch_size=16, kv_cache_tokens=h100_kv_tokens(cfg, "last_exited"))
+        out[name] = {r["mode"]: r for r in blk["results"]}
+    ouro, huginn = out["ouro-1.4b"], out["huginn-3.5b"]
+    assert ouro["auto"]["output_tokens_per_s"] >= 0.99 * ouro["k1"]["output_tokens_per_s"]
+    coda = {n: {m: r["stages"]["coda"]["mean_batch"] for m, r in out[n].items() if m != "cb"} for n in out}
+    assert coda["ouro-1.4b"]["auto"] < 1.2 * coda["ouro-1.4b"]["k1"]  # as K = 1: the exits of one core step
+    assert coda["huginn-3.5b"]["auto"] > 1.5 * coda["huginn-3.5b"]["k1"]
+    assert huginn["auto"]["auto_coda"]["mean_k"] == pytest.approx(coda["huginn-3.5b"]["auto"])
+    assert huginn["auto"]["output_tokens_per_s"] > 1.05 * huginn["k1"]["output_tokens_per_s"]
+    assert ouro["k1"]["auto_coda"] is None
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_launches_are_timed_by_events_read_without_waiting():
+    """CUDA: the costs come from events read once done (LaunchTimer), so the table fills while
+    the engine runs, and the outputs equal a fixed-K engine's."""
+    import torch
+    m = model("huginn-tiny").to("cuda")
+    outs = {}
+    for k in (1, "auto"):
+        eng = LLMEngine(m, EngineConfig(min_coda_batch=k, exit_threshold=0.55, max_batch_size=8))
+        seqs = [eng.add_request([3 + i, 4, 5], SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(6)]
+        while eng.has_unfinished():
+            eng.step()
+        outs[k] = [(s.output_ids, s.exit_depths) for s in seqs]
+    torch.cuda.synchronize()
+    assert outs[1] == outs["auto"]
+    assert eng._launch_timer is not None and eng.scheduler.auto.costs.table
