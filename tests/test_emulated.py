@@ -329,6 +329,11 @@ def test_capacity_sim_only(tmp_path):
     rows = C.main(["--sim-only", "--pairs", "huginn-3.5b:arxiv", "--sim-requests", "8", "--out", str(tmp_path)])["sim"]
     assert json.loads((tmp_path / "sim_knees.json").read_text()) == rows
     assert rows[0]["W"] == 8 and rows[0]["K"] == 2 and rows[0]["sim_ratio_to_cb"]["cb"] == 1.0
+    # --ks: refill's knee at other K too (issue 39: auto against every fixed K); --k: refill's own
+    rows = C.main(["--sim-only", "--pairs", "huginn-3.5b:arxiv", "--sim-requests", "8", "--k", "auto", "--ks", "1",
+                   "auto", "--out", str(tmp_path)])["sim"]
+    assert rows[0]["K"] == "auto" and rows[0]["sim_knee"]["cdb-refill"] == rows[0]["sim_knee"]["cdb-refill-kauto"]
+    assert set(rows[0]["sim_knee"]) == {"cb", "cdb-norefill", "cdb-refill", "cdb-refill-k1", "cdb-refill-kauto"}
 
 
 @pytest.mark.slow  # three emulated servers and a short sweep (~30 s)

@@ -19,7 +19,8 @@ the limit with no failed request, and the rate where the curve crosses the limit
 online.sustained_rate). The limit: `--slo-factor` (3) x the best mean normalised latency at the
 lowest rate over the three policies (the online bench's rule), one limit per pair. K (refill's
 minimum coda batch): 1 for Ouro, W/4 for Huginn, W the batch window (`max_batch_size`: 64, 8 for
-ArXiv as the authors ran it). Exit depths: binomial around infer.sim's assumed mean depth. Decode
+ArXiv as the authors ran it); `--k` sets another (an integer or auto), and `--ks` adds the
+simulator's knee of refill at each of several. Exit depths: binomial around infer.sim's assumed mean depth. Decode
 attention: a paged kernel's reads (`ATTENTION`). With fewer prompts than W at a rate nothing queues:
 `--num-prompts` must be well above W for a knee to show.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from infer.engine.config import coda_batch_arg
 from infer.sim.cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
 from infer.sim.runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
 from infer.sim.simulate import served_context, simulate_mode
@@ -61,13 +63,18 @@ def coda_batch(model: str, workload: str) -> int:
     return 1 if model.startswith("ouro") else max(1, window(workload) // 4)
 
 
-def modes(model: str, workload: str) -> list[dict]:
+def modes(model: str, workload: str, k: int | str | None = None, ks=()) -> list[dict]:
+    """CB, no-refill and refill at `k` (default the paper's rule, coda_batch), then refill at each of
+    `ks` (`cdb-refill-k<K>`; K an integer or auto)."""
+    refill = {"policy": "cdb", "refill": True}
     return [{"name": "cb", "policy": "cb"}, {"name": "cdb-norefill", "policy": "cdb", "refill": False},
-            {"name": "cdb-refill", "policy": "cdb", "refill": True, "min_coda_batch": coda_batch(model, workload)}]
+            {"name": "cdb-refill", **refill, "min_coda_batch": coda_batch(model, workload) if k is None else k}] + \
+        [{"name": f"cdb-refill-k{x}", **refill, "min_coda_batch": x} for x in ks]
 
 
-def sim_knees(model: str, workload: str, num_requests: int = 1024, seed: int = 0) -> dict[str, float]:
-    """Per policy, the simulator's knee: requests / virtual seconds to drain them all at once."""
+def sim_knees(model: str, workload: str, num_requests: int = 1024, seed: int = 0, k: int | str | None = None,
+              ks=()) -> dict[str, float]:
+    """Per policy (`modes`), the simulator's knee: requests / virtual seconds to drain them all at once."""
     cfg = paper_config(model)
     engine = {"max_batch_size": window(workload)}
     engine["kv_cache_tokens"] = h100_kv_tokens(cfg)
@@ -76,7 +83,7 @@ def sim_knees(model: str, workload: str, num_requests: int = 1024, seed: int = 0
     depths = depths_from_distribution(binomial_depths(cfg.r_max, ASSUMED_MEAN_DEPTH[model]), reqs, seed)
     cost = RooflineCost(cfg, host=HostCost.from_json(HOST_JSON) if HOST_JSON.exists() else None, attention=ATTENTION)
     out = {}
-    for m in modes(model, workload):
+    for m in modes(model, workload, k, ks):
         # as the emulated server runs: its CPU path (no re-entry), host and device in series
         raw = simulate_mode(cfg, reqs, m, cost, depths, overlap=False, async_scheduling=False, **engine)
         out[m["name"]] = raw["num_requests"] / raw["seconds"]
@@ -110,15 +117,16 @@ def ratios(knee: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor: float, max_seconds: float,
-             sim_requests: int, seed: int, out: Path, slowdown: float = 1.0) -> dict:
+             sim_requests: int, seed: int, out: Path, slowdown: float = 1.0, k: int | str | None = None) -> dict:
     """One pair's curves. With `slowdown` S the emulated clock runs S times slower and the client sends
     1/S of each rate, so the queues evolve as on the GPU in S-times-longer time while the host does 1/S
     of the work per second; every rate is reported x S and every latency / S (the GPU's units)."""
-    sk = sim_knees(model, workload, sim_requests, seed)
+    sk = sim_knees(model, workload, sim_requests, seed, k)
+    k = coda_batch(model, workload) if k is None else k
     rates = [round(sk["cb"] * f, 4) for f in ladder]  # the GPU's
     sent = [round(r / slowdown, 4) for r in rates]
     d = out / f"{model}_{workload}"
-    server_args = (f"--threads 1 --max-batch-size {window(workload)} --min-coda-batch {coda_batch(model, workload)} "
+    server_args = (f"--threads 1 --max-batch-size {window(workload)} --min-coda-batch {k} "
                    f"--emulated-attention {ATTENTION} --emulated-slowdown {slowdown:g}")
     summary = online.main(["--model", model, "--device", "emulated:h100", "--policies", ",".join(LABELS),
                            "--rates", ",".join(f"{r:g}" for r in sent), "--num-prompts", str(num_prompts),
@@ -138,8 +146,7 @@ def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor:
     k = knees(points, limit)
     crossing = {lab: v["interpolated_rate_at_limit"] for lab, v in k.items()}
     authors = dict(zip(LABELS, AUTHORS[(model, workload)])) if (model, workload) in AUTHORS else None
-    return {"model": model, "workload": workload, "W": window(workload), "K": coda_batch(model, workload),
-            "slowdown": slowdown,
+    return {"model": model, "workload": workload, "W": window(workload), "K": k, "slowdown": slowdown,
             "mean_exit_depth": ASSUMED_MEAN_DEPTH[model], "device": summary.get("device"),
             "mean_input_len": summary.get("mean_input_len"), "mean_output_len": summary.get("mean_output_len"),
             "sim_knee": sk, "sim_ratio_to_cb": ratios(sk), "rates": rates, "limit_s_per_token": limit,
@@ -239,6 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
                    "the rates sent are divided by it (a fast device's token rate on a small host); reported in the "
                    "GPU's units")
     p.add_argument("--sim-only", action="store_true", help="only the simulator's knees (virtual time, seconds)")
+    p.add_argument("--k", type=coda_batch_arg, default=None, help="refill's minimum coda batch, an integer or auto "
+                   "(default: 1 for Ouro, W/4 for Huginn)")
+    p.add_argument("--ks", type=coda_batch_arg, nargs="+", default=[], help="with --sim-only: also refill's knee at "
+                   "each of these K (cdb-refill-k<K>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/capacity"))
     a = p.parse_args(argv)
@@ -247,9 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
     if a.sim_only:
         rows = []
         for model, workload in pairs:
-            sk = sim_knees(model, workload, a.sim_requests, a.seed)
+            sk = sim_knees(model, workload, a.sim_requests, a.seed, a.k, a.ks)
             au = dict(zip(LABELS, AUTHORS[(model, workload)])) if (model, workload) in AUTHORS else None
-            rows.append({"model": model, "workload": workload, "W": window(workload), "K": coda_batch(model, workload),
+            rows.append({"model": model, "workload": workload, "W": window(workload),
+                         "K": coda_batch(model, workload) if a.k is None else a.k,
                          "sim_knee": sk, "sim_ratio_to_cb": ratios(sk), "authors_knee": au,
                          "authors_ratio_to_cb": ratios(au) if au else None})
         (a.out / "sim_knees.json").write_text(json.dumps(rows, indent=1))
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     for model, workload in pairs:
         res["pairs"].append(run_pair(model, workload, num_prompts=a.num_prompts, ladder=a.ladder,
                                      slo_factor=a.slo_factor, max_seconds=a.max_seconds, sim_requests=a.sim_requests,
-                                     seed=a.seed, out=a.out, slowdown=a.slowdown))
+                                     seed=a.seed, out=a.out, slowdown=a.slowdown, k=a.k))
         (a.out / "capacity.json").write_text(json.dumps(res, indent=1))  # after every pair: a partial run keeps its
     print(json.dumps([{k: v for k, v in r.items() if k not in ("points", "device")} for r in res["pairs"]], indent=1))
     print(f"plot: {plot(res['pairs'], a.out / 'capacity.png')}")
