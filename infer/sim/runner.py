@@ -106,6 +106,8 @@ class SimRunner:
         self.block_bytes = blocks.block_size * layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
         self.fill_slots = layout_class(kv_layout).fill_slots  # (cfg, exit depth) -> slots its on_exit copies
         self.slot_bytes = state_slot_bytes(model, criterion)
+        # full depth (criterion none): a core step has no scores, so the host reads none (ModelRunner._core)
+        self.scores = criterion != "none"
         self.pcie_bandwidth = pcie_bandwidth
         self.overlap, self.reentry = overlap, reentry
         self.host_at = self.device_at = 0.0  # the host's clock; when the device has run everything launched
@@ -219,7 +221,7 @@ class SimRunner:
         prefill = work.stage is Stage.PREFILL
         self.trace.append(trace_row(
             work.stage.value, n, padded=c.padded, tokens=c.tokens, context=c.context, seconds=t,
-            score_reads=int(work.stage is Stage.CORE), prompt_tokens=c.tokens if prefill else c.prompt_tokens,
+            score_reads=int(work.stage is Stage.CORE and self.scores), prompt_tokens=c.tokens if prefill else c.prompt_tokens,
             chunks=n if prefill else len(work.chunks),
             # what work.py counts: causal prefix rows of the prompt positions, head rows of final chunks
             context_pairs=(c.context_sq + c.tokens) // 2 if prefill else 0, prompt_pairs=c.prompt_pairs,
@@ -234,6 +236,8 @@ class SimRunner:
         if work.stage is Stage.PRELUDE:
             return None
         if work.stage is Stage.CORE:
+            if not self.scores:
+                return None
             # the "learned" criterion's score is an exit probability (looplm/exits.py)
             return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs], self, end)
         return Emitted(self._rows(n + len(work.finals)))
