@@ -1,7 +1,7 @@
 """min_coda_batch="auto" (infer/engine/auto_coda.py, issue 39): the stage-cost table, the decision
 rule on made-up costs, what it reports (bench JSON, metrics, /metrics), the setting's validation,
 and in the simulator the paper models' contrast (Ouro: the coda at once; Huginn: exits gather).
-Exactness under auto is in the engine's equality suites (helpers.MODES_KBIG's refill_auto)."""
+Exactness under auto is in the engine's equality suite (tests/test_engine.py, helpers.MODES_AUTO)."""
 import pytest
 
 from infer.engine.auto_coda import AutoCoda, StageCosts
@@ -32,6 +32,19 @@ def test_stage_costs_interpolate_and_drop_chunk_rows_once_clean():
     assert c.predict(Stage.CORE, 64) == 4.0
     c.observe(Stage.CORE, 8, 14.0)
     assert c.predict(Stage.CORE, 8) == pytest.approx(4.0 + 0.2 * 10.0)  # moving average
+
+
+def test_fixed_cost_is_the_batch_independent_part():
+    c = StageCosts()
+    assert c.fixed(Stage.CODA) is None
+    c.observe(Stage.CODA, 16, 3.0)
+    assert c.fixed(Stage.CODA) == 3.0  # one size seen: all of it
+    c.observe(Stage.CODA, 8, 2.0)
+    c.observe(Stage.CODA, 64, 50.0)  # (only the two smallest sizes define the line)
+    assert c.fixed(Stage.CODA) == pytest.approx(1.0)  # 2.0 - (3.0 - 2.0) / 8 * 8
+    c.observe(Stage.PRELUDE, 1, 1.0)
+    c.observe(Stage.PRELUDE, 2, 5.0)
+    assert c.fixed(Stage.PRELUDE) == 0.0  # never below 0
 
 
 def _auto(core: float, coda: float, prelude: float) -> AutoCoda:

@@ -9,10 +9,10 @@ from infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from looplm import ExitPolicy, tiny_model
 from infer.engine.reference import reference_generate
 
-from helpers import ARCHS, MODES_KBIG, THRESHOLD, engine_settings, grid, model, random_load, random_requests, \
+from helpers import ARCHS, MODES_AUTO, THRESHOLD, engine_settings, grid, model, random_load, random_requests, \
     reference, run_staggered, stable_seed
 
-CASES = grid(MODES_KBIG, archs=ARCHS)
+CASES = grid(MODES_AUTO, archs=ARCHS)
 
 
 @pytest.mark.parametrize("arch,mode,layout,lookahead", CASES)

@@ -7,8 +7,9 @@ steps in between carry fewer tokens. This is the economic order quantity trade-o
 fixed cost against the cost of holding stock. The rule here is its online form. Every launch made
 while exits wait charges them its time, in proportion to their share of the running sequences
 (`held`: what waiting has cost so far). The coda runs once that cost, plus what one more core step
-would add, reaches the predicted cost of the coda and its prelude: the balance at the economic order
-quantity (holding cost per cycle = order cost), with no constant tuned. Ouro-1.4B's coda is its head
+would add, reaches the fixed cost of a coda and its prelude (the part that does not grow with the
+batch, which is what running two codas as one saves): the balance at the economic order quantity
+(holding cost per cycle = order cost), with no constant tuned. Ouro-1.4B's coda is its head
 alone (cheap next to 24 core layers), so it runs at once (K = 1 in effect). Huginn-3.5B's is two
 layers plus the head (more than its 4-layer core step), so exits gather, as the paper's K ~ W/4
 does by hand.
@@ -68,6 +69,19 @@ class StageCosts:
         return row[lo] + (row[hi] - row[lo]) * (padded - lo) / (hi - lo)
 
 
+    def fixed(self, stage: Stage) -> float | None:
+        """The part of a launch's cost that does not grow with its batch: the line through the two
+        smallest padded sizes seen, at batch 0 (the cost at the smallest if only one was seen)."""
+        row = self.table.get(stage)
+        if not row:
+            return None
+        xs = sorted(row)[:2]
+        if len(xs) == 1:
+            return row[xs[0]]
+        (x0, x1), (y0, y1) = xs, (row[xs[0]], row[xs[1]])
+        return min(y0, max(0.0, y0 - (y1 - y0) / (x1 - x0) * x0))
+
+
 class AutoCoda:
     """The decision (module docstring) and what it decided: a histogram of the batch each coda
     ran with (the K chosen), and the last decision's predicted costs."""
@@ -89,10 +103,10 @@ class AutoCoda:
     def coda_now(self, exits: int, in_loop: int, idle: int, slots: int) -> bool:
         """Launch the coda of the `exits` waiting now, rather than one more core step over `in_loop`
         items first? `idle` of the `slots` running sequences wait on it (Scheduler.idle)."""
-        predict, pe = self.costs.predict, self.padded(exits)
-        core = predict(Stage.CORE, self.padded(in_loop))
-        coda = predict(Stage.CODA, pe)
-        pre = predict(Stage.PRELUDE, pe)
+        core = self.costs.predict(Stage.CORE, self.padded(in_loop))
+        # what merging two codas (and their preludes) saves: the part of their cost that does not
+        # grow with the batch (weights, launch); the per-item part is paid either way
+        coda, pre = self.costs.fixed(Stage.CODA), self.costs.fixed(Stage.PRELUDE)
         if core is None or coda is None or pre is None:
             return True  # nothing measured yet: K = 1
         hold = self.held + idle * core / max(1, slots)  # ... if they wait one more core step
