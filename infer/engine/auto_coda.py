@@ -68,7 +68,6 @@ class StageCosts:
         lo = max(x for x in xs if x < padded)
         return row[lo] + (row[hi] - row[lo]) * (padded - lo) / (hi - lo)
 
-
     def fixed(self, stage: Stage) -> float | None:
         """The part of a launch's cost that does not grow with its batch: the line through the two
         smallest padded sizes seen, at batch 0 (the cost at the smallest if only one was seen)."""
@@ -124,8 +123,8 @@ class AutoCoda:
         elif idle:
             t = seconds if seconds is not None else self.costs.predict(stage, self.padded(batch))  # (CUDA: later)
             self.held += idle * (t or 0.0) / max(1, slots)
-        if seconds is not None and batch:
-            self.costs.observe(stage, self.padded(batch), seconds, chunks)
+        if seconds is not None:
+            self.learn(stage, batch, seconds, chunks)
 
     def learn(self, stage: Stage, batch: int, seconds: float, chunks: bool = False) -> None:
         """What a launch took, once known (on CUDA, when its events are done: LaunchTimer)."""

@@ -106,7 +106,7 @@ class LLMEngine:
         self._virtual = self.runner.clock is not None  # the simulator's or the emulated device's runner
         if c.min_coda_batch == "auto" and c.policy == "cdb" and c.refill:
             self.scheduler.auto = AutoCoda(self.runner.padded)
-            if self.runner.clock is None and model.device.type == "cuda":
+            if not self._virtual and model.device.type == "cuda":
                 self._launch_timer = LaunchTimer(model.device)
         # CUDA graphs: every key the scheduler can emit, captured now rather than while requests wait
         graphs = getattr(self.runner, "graphs", None)
@@ -256,22 +256,20 @@ class LLMEngine:
         seconds; on a CPU the wall clock (launches are synchronous); on CUDA its events, read once
         done at a later step (LaunchTimer)."""
         sch, timer = self.scheduler, self._launch_timer
-        idle, slots = len(sch.coda_q), sch.num_running  # (Scheduler.idle)
+        idle, slots = sch.idle()
+        chunks = bool(work.chunks)
         if timer is not None:
             for stage, n, ch, secs in timer.done():
                 sch.auto.learn(stage, n, secs, ch)
             ev = timer.start()
-            out = self._launch(work) if self.on_launch else self.runner.run(work)
-            timer.stop(ev, work.stage, len(work.seqs), bool(work.chunks))
+        t0 = time.perf_counter()
+        out = self._launch(work) if self.on_launch else self.runner.run(work)
+        if timer is not None:
+            timer.stop(ev, work.stage, len(work.seqs), chunks)
             secs = None
-        elif self._virtual:
-            out = self._launch(work) if self.on_launch else self.runner.run(work)
-            secs = self.runner.last_seconds
         else:
-            t0 = time.perf_counter()
-            out = self._launch(work) if self.on_launch else self.runner.run(work)
-            secs = time.perf_counter() - t0
-        sch.auto.observe(work.stage, len(work.seqs), secs, idle, slots, bool(work.chunks))
+            secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
+        sch.auto.observe(work.stage, len(work.seqs), secs, idle, slots, chunks)
         return out
 
     def _launch(self, work: Work):
@@ -378,7 +376,8 @@ class LLMEngine:
         """Queue lengths, KV memory and token counters (what a server's /metrics shows)."""
         b = self.blocks
         auto = self.auto_coda_metrics()
-        return {**(_auto_coda_gauges(auto) if auto else {}),"running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
+        return {**(_auto_coda_gauges(auto) if auto else {}),
+                "running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
                 "kv_usage": b.usage, "kv_free_blocks": b.num_free, "kv_total_blocks": b.num_blocks,
                 "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
                 "stage_calls": dict(self.stats["stage_calls"]),
