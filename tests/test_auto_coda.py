@@ -75,6 +75,24 @@ def test_a_cheap_coda_runs_at_once_an_expensive_one_waits_until_waiting_costs_it
     assert dear.held == 0.0 and dear.describe()["k_hist"] == {1: 1, 4: 1, 64: 1}  # (_auto's two codas, then this one)
 
 
+def test_exits_wait_rather_than_push_the_core_step_past_a_padded_size():
+    # a core step whose every padded row costs (long contexts: attention, not weights): 1 s a row
+    a = AutoCoda(pow2)
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        a.observe(Stage.CORE, b, float(b), idle=0, slots=64)
+    for stage in (Stage.CODA, Stage.PRELUDE):
+        a.observe(stage, 1, 0.01, idle=0, slots=64)
+    assert a.padding(28, 3, 32.0) == 0.0  # 31 items still fit the 32 rows paid for
+    assert a.coda_now(3, 28, 3, 31)
+    # 33 items would run at 64 rows: 64 - 32 * 33 / 30 s above the step's cost per item now
+    assert a.padding(30, 3, 32.0) == pytest.approx(64 - 32 * 33 / 30)
+    assert not a.coda_now(3, 30, 3, 33)
+    assert a.describe()["last_decision"]["launch_s"] == pytest.approx(0.02 + 64 - 32 * 33 / 30)
+    # where the weights dominate (a flat cost), more items cost nothing: no padding term
+    flat = _auto(core=1.0, coda=0.8, prelude=0.6)
+    assert flat.padding(30, 3, 1.0) == 0.0
+
+
 def test_setting_validation_and_flag():
     assert EngineConfig(min_coda_batch="auto").min_coda_batch == "auto"
     for bad in ("often", 0, 2.5):

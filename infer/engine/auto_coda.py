@@ -8,8 +8,10 @@ fixed cost against the cost of holding stock. The rule here is its online form. 
 while exits wait charges them its time, in proportion to their share of the running sequences
 (`held`: what waiting has cost so far). The coda runs once that cost, plus what one more core step
 would add, reaches the fixed cost of a coda and its prelude (the part that does not grow with the
-batch, which is what running two codas as one saves): the balance at the economic order quantity
-(holding cost per cycle = order cost), with no constant tuned. Ouro-1.4B's coda is its head
+batch, which is what running two codas as one saves), plus what re-entering the exits would add
+to the next core step beyond their share (`padding`: pushing it past a padded size, where every row
+costs): the balance at the economic order quantity (holding cost per cycle = order cost), with no
+constant tuned. Ouro-1.4B's coda is its head
 alone (cheap next to 24 core layers), so it runs at once (K = 1 in effect). Huginn-3.5B's is two
 layers plus the head (more than its 4-layer core step), so exits gather, as the paper's K ~ W/4
 does by hand.
@@ -109,9 +111,21 @@ class AutoCoda:
         if core is None or coda is None or pre is None:
             return True  # nothing measured yet: K = 1
         hold = self.held + idle * core / max(1, slots)  # ... if they wait one more core step
-        now = hold >= coda + pre
-        self.last = (exits, hold, coda + pre, now)
+        launch = coda + pre + self.padding(in_loop, exits, core)
+        now = hold >= launch
+        self.last = (exits, hold, launch, now)
         return now
+
+    def padding(self, in_loop: int, exits: int, core: float) -> float:
+        """What the exits' re-entry adds to the next core step beyond their own share: the step's
+        cost at its new padded batch above the cost per item it has now, times its new item count.
+        Zero while they fit in the padded rows the step pays for anyway (or where its cost is mostly
+        the weights, which more items share); large where they push it past a padded size and
+        every row costs (long contexts, whose attention dominates: SDPA gathers per padded row)."""
+        if not in_loop:
+            return 0.0
+        after = self.costs.predict(Stage.CORE, self.padded(in_loop + exits))
+        return max(0.0, after - core * (in_loop + exits) / in_loop)
 
     def observe(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int,
                 chunks: bool = False) -> None:
