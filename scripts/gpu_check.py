@@ -66,7 +66,7 @@ MODES = [{"name": "cb", "policy": "cb"},
          {"name": "cdb_refill_k1_no_async", "policy": "cdb", "refill": True, "min_coda_batch": 1,
           "async_scheduling": False},
          {"name": "cdb_norefill", "policy": "cdb", "refill": False},
-         {"name": "cdb_full_depth", "policy": "cdb", "refill": True, "full_depth": True}]
+         {"name": "cdb_full_depth", "policy": "cdb", "refill": True, "min_coda_batch": 1, "full_depth": True}]
 # Huginn's, while the budget lasts: CB and CDB refill first (the comparison), full depth, the rest
 HUGINN_MODES = [MODES[i] for i in (0, 1, 4, 3, 2)]
 

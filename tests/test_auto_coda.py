@@ -123,7 +123,7 @@ def test_engine_reports_what_auto_decided():
     m = eng.metrics()
     assert m["auto_coda_codas"] == d["codas"] and m["auto_coda_k_hist"] == d["k_hist"]
     assert d["last_decision"] is not None and d["last_decision"]["launch_s"] > 0
-    assert LLMEngine(model("huginn-tiny"), EngineConfig()).auto_coda_metrics() is None
+    assert LLMEngine(model("huginn-tiny"), EngineConfig(min_coda_batch=1)).auto_coda_metrics() is None
 
     class Snap:
         alive = True

@@ -35,7 +35,7 @@ def _f(default, help: str):
 class EngineConfig:
     policy: str = _f("cdb", "cb (continuous batching, the baseline) or cdb")
     refill: bool = _f(True, "cdb: interleave stages (the paper's refill) instead of running cohorts")
-    min_coda_batch: int | str = _f(1, "cdb refill: exits that must wait before a coda runs (the paper's K), or "
+    min_coda_batch: int | str = _f("auto", "cdb refill: exits that must wait before a coda runs (the paper's K), or "
                                       "auto: decided at each step from what launches cost (auto_coda.py)")
     kv_layout: str | None = _f(None, f"KV layout: {', '.join(LAYOUT_NAMES)} (S depth slots per core layer, step s "
                                      f"in slot min(s, S); S = 2 unless given); default: the checkpoint's, else "

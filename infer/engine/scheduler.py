@@ -202,8 +202,9 @@ class Scheduler:
     def _coda_now(self) -> bool:
         """Refill: the waiting exits' coda now, rather than another core step first: K of them wait,
         or under "auto" the cost rule says so (auto_coda.py)."""
-        if self.auto is None:
-            return len(self.coda_q) >= self.cfg.min_coda_batch
+        if self.auto is None:  # (a fixed K; "auto" without the engine's costs: at once, as auto's cold start)
+            k = self.cfg.min_coda_batch
+            return k == "auto" or len(self.coda_q) >= k
         return self.auto.coda_now(len(self.coda_q), len(self.core_q), *self.idle())
 
     def idle(self) -> tuple[int, int]:

@@ -26,7 +26,8 @@ def modes_for(ks=(1, 4), norefill: bool = True, full_depth: bool = True) -> list
     modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": True,
                "min_coda_batch": k if k == "auto" else int(k)} for k in ks]
     if full_depth:
-        modes.append({"name": "cdb_full_depth", "policy": "cdb", "refill": True, "full_depth": True})
+        # (K=1 pinned: the control that must equal CB, whatever the default K is)
+        modes.append({"name": "cdb_full_depth", "policy": "cdb", "refill": True, "min_coda_batch": 1, "full_depth": True})
     return modes
 
 
