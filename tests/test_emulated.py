@@ -318,6 +318,15 @@ def test_capacity_point_stats_knees_and_ratios():
         C.parse_pair("ouro-1.4b:nope")
 
 
+def test_online_policy_labels():
+    from infer.bench.online import main, policy_args
+    assert policy_args("cdb-refill-k16") == ["--policy", "cdb", "--refill", "--min-coda-batch", "16"]
+    assert policy_args("cdb-refill-kauto")[-1] == "auto" and policy_args("cb") == ["--policy", "cb"]
+    assert policy_args("cdb-refill-k0") is None and policy_args("cdb-refill-kx") is None
+    with pytest.raises(SystemExit, match="unknown policy 'cdb-refill-k0'"):
+        main(["--model", "ouro-1.4b", "--policies", "cb,cdb-refill-k0", "--rates", "1"])
+
+
 def test_capacity_simulated_knees_order_the_policies():
     from infer.bench import capacity as C
     k = C.sim_knees("ouro-1.4b", "alpaca", num_requests=32)
@@ -340,14 +349,18 @@ def test_capacity_sim_only(tmp_path):
 def test_capacity_script_writes_the_table(tmp_path):
     from infer.bench import capacity as C
     res = C.main(["--pairs", "ouro-1.4b:alpaca", "--num-prompts", "8", "--ladder", "0.5", "1.0", "--max-seconds", "30",
-                  "--sim-requests", "16", "--slowdown", "2", "--out", str(tmp_path)])
+                  "--sim-requests", "16", "--slowdown", "2", "--ks", "auto", "--out", str(tmp_path)])
     pair = json.loads((tmp_path / "capacity.json").read_text())["pairs"][0]
     assert pair == json.loads(json.dumps(res["pairs"][0]))
     assert pair["device"]["emulated"] is True and pair["device"]["attention"] == "paged"
     # slowed 2x: half of each rate sent, reported in the GPU's units
     assert pair["device"]["slowdown"] == 2 and pair["slowdown"] == 2
     assert [p["sent_rate"] * 2 for p in pair["points"]["cb"]] == pytest.approx(pair["rates"], rel=1e-3)
-    assert set(pair["knee"]) == set(C.LABELS) and len(pair["points"]["cb"]) == 2
+    # --ks auto: a refill server at min_coda_batch=auto beside the three, on the same requests
+    assert pair["labels"] == [*C.LABELS, "cdb-refill-kauto"] and set(pair["knee"]) == set(pair["labels"])
+    assert len(pair["points"]["cb"]) == len(pair["points"]["cdb-refill-kauto"]) == 2
+    log = (tmp_path / "ouro-1.4b_alpaca" / "server_cdb-refill-kauto.log").read_text()
+    assert "(cdb, refill K=auto, " in log, log[:2000]
     assert pair["authors_ratio_to_cb"]["cdb-refill"] == pytest.approx(53.9 / 34.9)
     assert all(p["failed"] == 0 and p["norm_latency_p90"] >= 0 for pts in pair["points"].values() for p in pts)
 

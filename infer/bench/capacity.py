@@ -19,8 +19,9 @@ the limit with no failed request, and the rate where the curve crosses the limit
 online.sustained_rate). The limit: `--slo-factor` (3) x the best mean normalised latency at the
 lowest rate over the three policies (the online bench's rule), one limit per pair. K (refill's
 minimum coda batch): 1 for Ouro, W/4 for Huginn, W the batch window (`max_batch_size`: 64, 8 for
-ArXiv as the authors ran it); `--k` sets another (an integer or auto), and `--ks` adds the
-simulator's knee of refill at each of several. Exit depths: binomial around infer.sim's assumed mean depth. Decode
+ArXiv as the authors ran it); `--k` sets another (an integer or auto), and `--ks` adds refill at
+each of several K (`cdb-refill-k<K>`): its simulator's knee, and an emulated server of its own
+beside the three (the same requests and arrivals). Exit depths: binomial around infer.sim's assumed mean depth. Decode
 attention: a paged kernel's reads (`ATTENTION`). With fewer prompts than W at a rate nothing queues:
 `--num-prompts` must be well above W for a knee to show.
 """
@@ -117,24 +118,27 @@ def ratios(knee: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor: float, max_seconds: float,
-             sim_requests: int, seed: int, out: Path, slowdown: float = 1.0, k: int | str | None = None) -> dict:
+             sim_requests: int, seed: int, out: Path, slowdown: float = 1.0, k: int | str | None = None,
+             ks=()) -> dict:
     """One pair's curves. With `slowdown` S the emulated clock runs S times slower and the client sends
     1/S of each rate, so the queues evolve as on the GPU in S-times-longer time while the host does 1/S
-    of the work per second; every rate is reported x S and every latency / S (the GPU's units)."""
-    sk = sim_knees(model, workload, sim_requests, seed, k)
+    of the work per second; every rate is reported x S and every latency / S (the GPU's units). `ks`:
+    a refill server at each of these K too (`cdb-refill-k<K>`), side by side with the rest."""
+    sk = sim_knees(model, workload, sim_requests, seed, k, ks)
     k = coda_batch(model, workload) if k is None else k
+    labels = [*LABELS, *(f"cdb-refill-k{x}" for x in ks)]
     rates = [round(sk["cb"] * f, 4) for f in ladder]  # the GPU's
     sent = [round(r / slowdown, 4) for r in rates]
     d = out / f"{model}_{workload}"
     server_args = (f"--threads 1 --max-batch-size {window(workload)} --min-coda-batch {k} "
                    f"--emulated-attention {ATTENTION} --emulated-slowdown {slowdown:g}")
-    summary = online.main(["--model", model, "--device", "emulated:h100", "--policies", ",".join(LABELS),
+    summary = online.main(["--model", model, "--device", "emulated:h100", "--policies", ",".join(labels),
                            "--rates", ",".join(f"{r:g}" for r in sent), "--num-prompts", str(num_prompts),
                            "--dataset", workload, "--length-scale", "1", "--max-seconds", str(max_seconds),
                            "--slo-factor", str(slo_factor), "--server-args", server_args, "--seed", str(seed),
                            "--out", str(d)])
-    points = {lab: [] for lab in LABELS}
-    for lab in LABELS:
+    points = {lab: [] for lab in labels}
+    for lab in labels:
         for r, sr in zip(rates, sent):
             rec = json.loads((d / f"{lab}_rate{sr:g}_rep0.json").read_text())
             st = point_stats(rec["requests"])
@@ -146,7 +150,7 @@ def run_pair(model: str, workload: str, *, num_prompts: int, ladder, slo_factor:
     k = knees(points, limit)
     crossing = {lab: v["interpolated_rate_at_limit"] for lab, v in k.items()}
     authors = dict(zip(LABELS, AUTHORS[(model, workload)])) if (model, workload) in AUTHORS else None
-    return {"model": model, "workload": workload, "W": window(workload), "K": k, "slowdown": slowdown,
+    return {"model": model, "workload": workload, "W": window(workload), "K": k, "labels": labels, "slowdown": slowdown,
             "mean_exit_depth": ASSUMED_MEAN_DEPTH[model], "device": summary.get("device"),
             "mean_input_len": summary.get("mean_input_len"), "mean_output_len": summary.get("mean_output_len"),
             "sim_knee": sk, "sim_ratio_to_cb": ratios(sk), "rates": rates, "limit_s_per_token": limit,
@@ -163,7 +167,7 @@ def table(pairs: list[dict]) -> str:
     lines = ["| model | workload | policy | sim knee | online knee (crossing) | online / CB | sim / CB | authors' knee | "
              "authors / CB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in pairs:
-        for lab in LABELS:
+        for lab in r.get("labels", LABELS):
             k = r["knee"][lab]
             knee = ("≥ " if k["censored"] else "") + f(k["max_rate_within_limit"]) + \
                 f" ({f(k['interpolated_rate_at_limit'])})"
@@ -178,12 +182,13 @@ def table(pairs: list[dict]) -> str:
 def curve_table(pair: dict) -> str:
     """One pair's points (markdown): normalised latency and TTFT, mean and p90, per rate and policy."""
     f = (lambda x, p=1: "-" if x is None else f"{x:.{p}f}")
+    labels = pair.get("labels", LABELS)
     lines = [f"{pair['model']} {pair['workload']} (limit {1e3 * pair['limit_s_per_token']:.1f} ms/token)", "",
-             "| rate (req/s) | " + " | ".join(f"{lab} NL mean / p90 (ms/tok), TTFT mean / p90 (s)" for lab in LABELS)
-             + " |", "|---|" + "---|" * len(LABELS)]
+             "| rate (req/s) | " + " | ".join(f"{lab} NL mean / p90 (ms/tok), TTFT mean / p90 (s)" for lab in labels)
+             + " |", "|---|" + "---|" * len(labels)]
     for i, rate in enumerate(pair["rates"]):
         cells = []
-        for lab in LABELS:
+        for lab in labels:
             p = pair["points"][lab][i]
             nl = [None if p[k] is None else 1e3 * p[k] for k in ("norm_latency_mean", "norm_latency_p90")]
             cells.append(f"{f(nl[0])} / {f(nl[1])}, {f(p['ttft_mean_s'], 2)} / {f(p['ttft_p90_s'], 2)}"
@@ -205,7 +210,7 @@ def plot(pairs: list[dict], path: Path) -> Path:
     for ax in axes.flat[len(pairs):]:
         ax.set_visible(False)
     for ax, r in zip(axes.flat, pairs):
-        for lab, color in zip(LABELS, ("#888888", "#4878d0", "#d65f5f")):
+        for lab, color in zip(r.get("labels", LABELS), ("#888888", "#4878d0", "#d65f5f", "#6acc64", "#956cb4", "#8c613c")):
             pts = [p for p in r["points"][lab] if p["norm_latency_mean"] is not None]
             ax.plot([p["rate"] for p in pts], [1e3 * p["norm_latency_mean"] for p in pts], "o-", color=color, label=lab)
             ax.plot([p["rate"] for p in pts], [1e3 * p["norm_latency_p90"] for p in pts], ":", color=color)
@@ -248,8 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sim-only", action="store_true", help="only the simulator's knees (virtual time, seconds)")
     p.add_argument("--k", type=coda_batch_arg, default=None, help="refill's minimum coda batch, an integer or auto "
                    "(default: 1 for Ouro, W/4 for Huginn)")
-    p.add_argument("--ks", type=coda_batch_arg, nargs="+", default=[], help="with --sim-only: also refill's knee at "
-                   "each of these K (cdb-refill-k<K>)")
+    p.add_argument("--ks", type=coda_batch_arg, nargs="+", default=[], help="also refill at each of these K "
+                   "(cdb-refill-k<K>): the simulator's knee, and without --sim-only an emulated server beside the rest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("outputs/capacity"))
     a = p.parse_args(argv)
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     for model, workload in pairs:
         res["pairs"].append(run_pair(model, workload, num_prompts=a.num_prompts, ladder=a.ladder,
                                      slo_factor=a.slo_factor, max_seconds=a.max_seconds, sim_requests=a.sim_requests,
-                                     seed=a.seed, out=a.out, slowdown=a.slowdown, k=a.k))
+                                     seed=a.seed, out=a.out, slowdown=a.slowdown, k=a.k, ks=a.ks))
         (a.out / "capacity.json").write_text(json.dumps(res, indent=1))  # after every pair: a partial run keeps its
     print(json.dumps([{k: v for k, v in r.items() if k not in ("points", "device")} for r in res["pairs"]], indent=1))
     print(f"plot: {plot(res['pairs'], a.out / 'capacity.png')}")

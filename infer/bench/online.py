@@ -53,6 +53,17 @@ POLICY_ARGS = {"cb": ["--policy", "cb"], "cdb-norefill": ["--policy", "cdb", "--
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def policy_args(label: str) -> list[str] | None:
+    """infer.serve's flags for a policy label: POLICY_ARGS, or `cdb-refill-k<K>` (refill with
+    min_coda_batch K, an integer or auto: infer.bench.capacity's side-by-side K). Unknown: None."""
+    if label in POLICY_ARGS:
+        return POLICY_ARGS[label]
+    k = label.removeprefix("cdb-refill-k")
+    if label.startswith("cdb-refill-k") and (k == "auto" or k.isdigit() and int(k) >= 1):
+        return [*POLICY_ARGS["cdb-refill"], "--min-coda-batch", k]
+    return None
+
+
 @dataclass
 class Result:
     prompt_len: int
@@ -257,7 +268,7 @@ def summarize(results: list[Result], duration: float) -> dict:
 def start_server(model: str, policy: str, extra: list[str], log_path: Path, timeout: float = 300.0
                  ) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "infer.serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
-           *POLICY_ARGS[policy], *extra]
+           *extra, *policy_args(policy)]  # (the policy's own flags after the shared ones: they win)
     log = open(log_path, "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -392,7 +403,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="start one server per policy with this model (folder or preset)")
     g.add_argument("--base-url", help="benchmark a running server instead")
     p.add_argument("--label", default="server", help="name of the --base-url run in the outputs")
-    p.add_argument("--policies", default="cb,cdb-norefill,cdb-refill", help=f"from {sorted(POLICY_ARGS)}")
+    p.add_argument("--policies", default="cb,cdb-norefill,cdb-refill",
+                   help=f"from {sorted(POLICY_ARGS)}, or cdb-refill-k<K> (refill at min_coda_batch K: an integer or auto)")
     p.add_argument("--server-args", default="--threads 1", help="extra arguments for infer.serve (one string)")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="the servers' --speculative-tokens (self-speculative decoding; greedy requests only)")
@@ -429,8 +441,9 @@ def main(argv: list[str] | None = None) -> dict:
     rates = [float(r) for r in a.rates.split(",")]
     labels = [s.strip() for s in a.policies.split(",")] if a.model else [a.label]
     for lab in labels if a.model else []:
-        if lab not in POLICY_ARGS:
-            raise SystemExit(f"unknown policy {lab!r}; choose from {sorted(POLICY_ARGS)}")
+        if policy_args(lab) is None:
+            raise SystemExit(f"unknown policy {lab!r}; choose from {sorted(POLICY_ARGS)} or cdb-refill-k<K> "
+                             f"(K an integer >= 1 or auto)")
     if a.max_concurrency is not None and a.max_concurrency < 1:  # before any server starts
         raise SystemExit(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
     if not 0 <= a.priority_fraction <= 1:

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
           + (f"exits replayed from {exits['replay_exits']}" if "replay_exits" in exits else
              f"exit depths binomial, mean {exits['mean_depth']:g}") + ")" if dev else "")
     run(server, sock, f"serving {a.model}{split}{on} ({c.policy}"
-                      f"{', refill' if c.policy == 'cdb' and c.refill else ''}, {c.kv_layout})")
+                      f"{f', refill K={c.min_coda_batch}' if c.policy == 'cdb' and c.refill else ''}, {c.kv_layout})")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def build_app(aeng: AsyncEngine, model_name: str, api_key: str | None = None,
     cfg = aeng.engine.model.cfg
     max_model_len = aeng.max_model_len  # the one context length (the checkpoint's, capped by the KV pool)
     engine_cfg = aeng.engine.config.describe()  # the resolved settings (checkpoint defaults filled in)
-    info = {k: engine_cfg[k] for k in ("policy", "refill", "kv_layout", "max_batch_size", "lookahead",
+    info = {k: engine_cfg[k] for k in ("policy", "refill", "min_coda_batch", "kv_layout", "max_batch_size", "lookahead",
                                        "exit_criterion", "exit_threshold", "r_min", "full_depth")}
     # what the engine runs on; an emulated device (infer/sim/emulated.py) says so everywhere
     device = getattr(aeng.engine.runner, "device_info", None) or {"device": str(aeng.engine.model.device),
