@@ -167,3 +167,22 @@ def test_sim_replays_on_a_checkpoint_shape_and_another_gpu(tmp_path):
     assert tps["h200"] / tps["h100"] == pytest.approx(4.8 / 3.35, rel=0.05)  # weight-bound, no host time
     with pytest.raises(SystemExit):
         sim_main(["--model", str(folder), "--pool", "--out", str(tmp_path / "x")])  # --pool without a file
+
+
+def test_sim_takes_a_csv_length_trace(tmp_path, capsys):
+    """--workloads FILE.csv: a length trace the project does not ship (prompt_tokens and
+    output_tokens columns, others ignored), e.g. to check min_coda_batch=auto on it."""
+    trace = tmp_path / "mine.csv"
+    trace.write_text("arrived_at,prompt_tokens,output_tokens\n0.0,12,5\n0.1,30,7\n0.2,8,3\n0.3,20,9\n")
+    sim_main(["--model", "ouro-mini", "--workloads", str(trace), "--num-requests", "4", "--ks", "1", "auto",
+              "--out", str(tmp_path / "o")])
+    out = json.loads(next((tmp_path / "o").glob("sim_*.json")).read_text())
+    w = out["workloads"][0]
+    assert w["workload"]["workload"] == str(trace) and w["workload"]["output_tokens"] == 5 + 7 + 3 + 9
+    assert {r["mode"] for r in w["results"]} >= {"cb", "cdb_refill_k1", "cdb_refill_kauto"}
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,output\n1,2\n")
+    for arg, msg in ((str(bad), "needs the columns prompt_tokens and output_tokens"), ("nope", "unknown workload 'nope'")):
+        with pytest.raises(SystemExit):
+            sim_main(["--model", "ouro-mini", "--workloads", arg, "--out", str(tmp_path / "x")])
+        assert msg in capsys.readouterr().err

@@ -24,7 +24,7 @@ from .report import format_table, plot
 from .runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
 from .simulate import SIM_SKIPPED, load_acceptance, replay_fitted, served_context, simulate, speculation_projection
 from .stats import modes_for
-from .workloads import WORKLOADS, make_requests
+from .workloads import WORKLOADS, make_requests, workload_arg
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layer-split", default=None, metavar="P-C-Q",
                    help="Huginn only: the model with its first P prelude, C core and Q coda layers (e.g. 0-4-0 or "
                         "1-4-1 of huginn-3.5b's 2-4-2; with --fitted default the bench's)")
-    p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
-                   help="default: all three (with --replay-exits: the file's)")
+    p.add_argument("--workloads", nargs="+", default=None,
+                   help=f"{', '.join(WORKLOADS)}, or CSV length traces (prompt_tokens, output_tokens columns); "
+                        "default: the three (with --replay-exits: the file's workloads, by name)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--mean-depth", type=float, default=None, help="mean exit depth (binomial spread); default: assumed")
     p.add_argument("--ks", type=coda_batch_arg, nargs="+", default=[1, 4, 16])
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.pool and a.replay_exits is None:
         p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
+    if a.replay_exits is None:
+        try:
+            a.workloads = a.workloads and [workload_arg(w) for w in a.workloads]
+        except ValueError as e:
+            p.error(f"--workloads: {e}")
     gpu = {**DEVICES[a.gpu], **{k: getattr(a, k) for k in ("bandwidth", "peak_flops") if getattr(a, k) is not None}}
     cfg = emulated_config(a.model, a.layer_split)[0]  # a paper shape, a preset or a checkpoint's config.json
     name = a.model if a.model in PAPER_MODELS else Path(a.model).name

@@ -49,6 +49,20 @@ def load_trace(workload: str) -> tuple[tuple[int, int], ...]:
         return tuple((int(r["prompt_tokens"]), int(r["output_tokens"])) for r in csv.DictReader(f))
 
 
+def workload_arg(s: str) -> str:
+    """A shipped workload's name, or the path of a CSV length trace (columns prompt_tokens and
+    output_tokens, as the shipped ones; any other columns are ignored); else ValueError."""
+    if s in TRACES:
+        return s
+    if not Path(s).is_file():
+        raise ValueError(f"unknown workload {s!r}: choose from {', '.join(WORKLOADS)} or give a CSV file")
+    with open(s, newline="") as f:
+        cols = next(csv.reader(f), [])
+    if not {"prompt_tokens", "output_tokens"} <= set(cols):
+        raise ValueError(f"{s}: a length trace needs the columns prompt_tokens and output_tokens, found {cols}")
+    return s
+
+
 def fit_scale(workload: str, max_model_len: int, quantile: float = 0.9) -> float:
     """The largest scale <= 1 at which the trace's `quantile` request (by prompt + output) fits the
     context: what `scale="auto"` uses."""
