@@ -87,7 +87,8 @@ def test_exits_wait_rather_than_push_the_core_step_past_a_padded_size():
     # 33 items would run at 64 rows: 64 - 32 * 33 / 30 s above the step's cost per item now
     assert a.padding(30, 3, 32.0) == pytest.approx(64 - 32 * 33 / 30)
     assert not a.coda_now(3, 30, 3, 33)
-    assert a.describe()["last_decision"]["launch_s"] == pytest.approx(0.02 + 64 - 32 * 33 / 30)
+    d = a.describe()["last_decision"]
+    assert d["launch_s"] == pytest.approx(0.02 + d["padding_s"]) and d["padding_s"] == pytest.approx(64 - 32 * 33 / 30)
     # where the weights dominate (a flat cost), more items cost nothing: no padding term
     flat = _auto(core=1.0, coda=0.8, prelude=0.6)
     assert flat.padding(30, 3, 1.0) == 0.0

@@ -93,7 +93,7 @@ class AutoCoda:
         self.costs = StageCosts()
         self.held = 0.0  # seconds of running capacity the waiting exits have cost since the last coda
         self.k_hist: Counter[int] = Counter()  # coda batch -> codas launched with it
-        self.last: tuple | None = None  # the last decision: (exits waiting, predicted hold, launch cost, now?)
+        self.last: tuple | None = None  # the last decision: (exits waiting, hold, launch cost, its padding part, now?)
 
     def padded(self, n: int) -> int:
         p = self._pads.get(n)
@@ -111,9 +111,10 @@ class AutoCoda:
         if core is None or coda is None or pre is None:
             return True  # nothing measured yet: K = 1
         hold = self.held + idle * core / max(1, slots)  # ... if they wait one more core step
-        launch = coda + pre + self.padding(in_loop, exits, core)
+        pad = self.padding(in_loop, exits, core)
+        launch = coda + pre + pad
         now = hold >= launch
-        self.last = (exits, hold, launch, now)
+        self.last = (exits, hold, launch, pad, now)
         return now
 
     def padding(self, in_loop: int, exits: int, core: float) -> float:
@@ -150,8 +151,8 @@ class AutoCoda:
         n = sum(self.k_hist.values())
         return {"codas": n, "mean_k": sum(k * c for k, c in self.k_hist.items()) / n if n else None,
                 "k_hist": dict(sorted(self.k_hist.items())),
-                "last_decision": None if self.last is None else dict(zip(("waiting", "hold_s", "launch_s", "coda_now"),
-                                                                         self.last))}
+                "last_decision": None if self.last is None else dict(zip(("waiting", "hold_s", "launch_s", "padding_s",
+                                                                          "coda_now"), self.last))}
 
 
 class LaunchTimer:
