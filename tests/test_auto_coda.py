@@ -135,7 +135,8 @@ def test_engine_reports_what_auto_decided():
                                  "requests_finished": {}}}
     text = render_metrics(Snap(), "m", {})
     k, n = next(iter(d["k_hist"].items()))
-    assert f'cdb_auto_coda_batch_total{{model_name="m",k="{k}"}} {n}' in text and "cdb_auto_coda_hold_s" in text
+    assert f'cdb_auto_coda_batch_total{{model_name="m",k="{k}"}} {n}' in text and "cdb_auto_coda_hold_s" in text \
+        and "cdb_auto_coda_padding_s" in text
 
 
 def test_simulator_auto_follows_the_models_coda_cost():
