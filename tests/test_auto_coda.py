@@ -94,6 +94,15 @@ def test_exits_wait_rather_than_push_the_core_step_past_a_padded_size():
     assert flat.padding(30, 3, 1.0) == 0.0
 
 
+def test_a_launch_with_prompt_chunks_charges_the_waiting_exits_its_decode_part_only():
+    a = _auto(core=1.0, coda=0.8, prelude=0.6)
+    a.observe(Stage.CORE, 60, 10.0, idle=4, slots=64, chunks=True)  # a 2k-token chunk rode along: 10 s
+    assert a.held == pytest.approx(4 * 1.0 / 64)  # the chunk-free core step's share, not 10 s's
+    assert a.costs.predict(Stage.CORE, 64) == 1.0  # (nor does the table learn from it: its row is clean)
+    a.observe(Stage.CORE, 60, 2.0, idle=4, slots=64)
+    assert a.held == pytest.approx(4 * (1.0 + 2.0) / 64)
+
+
 def test_setting_validation_and_flag():
     assert EngineConfig(min_coda_batch="auto").min_coda_batch == "auto"
     for bad in ("often", 0, 2.5):

@@ -5,8 +5,9 @@ as for 40 on a GPU: it reads the coda's and the head's weights once. Launching i
 pays that fixed cost often; holding exits back keeps their sequences out of the loop, so the core
 steps in between carry fewer tokens. This is the economic order quantity trade-off: an order's
 fixed cost against the cost of holding stock. The rule here is its online form. Every launch made
-while exits wait charges them its time, in proportion to their share of the running sequences
-(`held`: what waiting has cost so far). The coda runs once that cost, plus what one more core step
+while exits wait charges them its time (without the prompt chunks riding in it, which cost the same
+either way), in proportion to their share of the running sequences (`held`: what waiting has cost
+so far). The coda runs once that cost, plus what one more core step
 would add, reaches the fixed cost of a coda and its prelude (the part that does not grow with the
 batch, which is what running two codas as one saves), plus what re-entering the exits would add
 to the next core step beyond their share (`padding`: pushing it past a padded size, where every row
@@ -136,7 +137,13 @@ class AutoCoda:
             self.k_hist[batch] += 1
             self.held = 0.0
         elif idle:
-            t = seconds if seconds is not None else self.costs.predict(stage, self.padded(batch))  # (CUDA: later)
+            t = seconds
+            if chunks or t is None:  # (None: CUDA, known later)
+                # with prompt chunks riding, the waiting exits are charged the launch's decode part (the
+                # table's chunk-free prediction): the chunks cost the same whether or not they wait, and
+                # the step they miss is made up later in a launch priced as that one
+                p = self.costs.predict(stage, self.padded(batch))
+                t = t if p is None else p
             self.held += idle * (t or 0.0) / max(1, slots)
         if seconds is not None:
             self.learn(stage, batch, seconds, chunks)
