@@ -7,15 +7,14 @@ steps in between carry fewer tokens. This is the economic order quantity trade-o
 fixed cost against the cost of holding stock. The rule here is its online form. Every launch made
 while exits wait charges them its time (without the prompt chunks riding in it, which cost the same
 either way), in proportion to their share of the running sequences (`held`: what waiting has cost
-so far). The coda runs once that cost, plus what one more core step
-would add, reaches the fixed cost of a coda and its prelude (the part that does not grow with the
-batch, which is what running two codas as one saves), plus what re-entering the exits would add
-to the next core step beyond their share (`padding`: pushing it past a padded size, where every row
-costs): the balance at the economic order quantity (holding cost per cycle = order cost), with no
-constant tuned. Ouro-1.4B's coda is its head
-alone (cheap next to 24 core layers), so it runs at once (K = 1 in effect). Huginn-3.5B's is two
-layers plus the head (more than its 4-layer core step), so exits gather, as the paper's K ~ W/4
-does by hand.
+so far). The coda runs once that cost, plus what one more core step would add, reaches the cost of
+launching: the fixed cost of a coda and its prelude (the part that does not grow with the batch,
+which is what running two codas as one saves), plus what re-entering the exits would add to the next
+core step beyond their share (`padding`: pushing it past a padded size, where every row costs). That
+is the balance at the economic order quantity (holding cost per cycle = order cost), with no
+constant tuned. Ouro-1.4B's coda is its head alone (cheap next to 24 core layers), so it runs at
+once (K = 1 in effect). Huginn-3.5B's is two layers plus the head (more than its 4-layer core step),
+so exits gather, as the paper's K ~ W/4 does by hand.
 
 Costs come from `StageCosts`: the seconds each launch took (a virtual runner's `last_seconds`, the
 simulator's or the emulated device's cost model; the wall clock on a CPU, where launches are
