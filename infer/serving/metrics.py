@@ -59,7 +59,8 @@ def render_metrics(aeng: AsyncEngine, model_name: str, info: dict) -> str:
     if s.get("auto_coda_k_hist") is not None:  # min_coda_batch="auto": the K it chose, coda by coda
         rows.append(("cdb_auto_coda_batch_total", C, "Codas launched by min_coda_batch=auto, by their batch (the K "
                      "chosen); cdb_auto_coda_hold_s / _launch_s: the last decision's predicted seconds of waiting "
-                     "vs launching (_padding_s: the part of launching that is the core step's added padding).", [(f'k="{k}"', v) for k, v in s["auto_coda_k_hist"].items()]))
+                     "vs launching (_padding_s: the part of launching that is the core step's added padding).",
+                     [(f'k="{k}"', v) for k, v in s["auto_coda_k_hist"].items()]))
     # every other number LLMEngine.metrics() reports (preemptions, swaps, prefix-cache hits, ...)
     # shows up as a gauge without being wired here
     for k in s.get("engine_keys", ()):

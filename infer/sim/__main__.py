@@ -24,7 +24,7 @@ from .report import format_table, plot
 from .runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
 from .simulate import SIM_SKIPPED, load_acceptance, replay_fitted, served_context, simulate, speculation_projection
 from .stats import modes_for
-from .workloads import WORKLOADS, make_requests, workload_arg
+from .workloads import WORKLOADS, load_trace, make_requests
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.pool and a.replay_exits is None:
         p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
-    if a.replay_exits is None:
+    if a.replay_exits is None:  # a shipped name or a CSV length trace (with --replay-exits: the file's names)
         try:
-            a.workloads = a.workloads and [workload_arg(w) for w in a.workloads]
+            for w in a.workloads or ():
+                load_trace(w)
         except ValueError as e:
             p.error(f"--workloads: {e}")
     gpu = {**DEVICES[a.gpu], **{k: getattr(a, k) for k in ("bandwidth", "peak_flops") if getattr(a, k) is not None}}

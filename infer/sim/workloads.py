@@ -46,21 +46,11 @@ def load_trace(workload: str) -> tuple[tuple[int, int], ...]:
     else:
         raise ValueError(f"unknown workload {workload!r}; available: {WORKLOADS} or a CSV path")
     with open(path, newline="") as f:
-        return tuple((int(r["prompt_tokens"]), int(r["output_tokens"])) for r in csv.DictReader(f))
-
-
-def workload_arg(s: str) -> str:
-    """A shipped workload's name, or the path of a CSV length trace (columns prompt_tokens and
-    output_tokens, as the shipped ones; any other columns are ignored); else ValueError."""
-    if s in TRACES:
-        return s
-    if not Path(s).is_file():
-        raise ValueError(f"unknown workload {s!r}: choose from {', '.join(WORKLOADS)} or give a CSV file")
-    with open(s, newline="") as f:
-        cols = next(csv.reader(f), [])
-    if not {"prompt_tokens", "output_tokens"} <= set(cols):
-        raise ValueError(f"{s}: a length trace needs the columns prompt_tokens and output_tokens, found {cols}")
-    return s
+        rows = csv.DictReader(f)
+        if not {"prompt_tokens", "output_tokens"} <= set(rows.fieldnames or ()):
+            raise ValueError(f"{path}: a length trace needs the columns prompt_tokens and output_tokens, found "
+                             f"{rows.fieldnames}")
+        return tuple((int(r["prompt_tokens"]), int(r["output_tokens"])) for r in rows)
 
 
 def fit_scale(workload: str, max_model_len: int, quantile: float = 0.9) -> float:
