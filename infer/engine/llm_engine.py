@@ -198,10 +198,7 @@ class LLMEngine:
         if work is None:
             return self._resolve(None, None)[0] if self._pending is not None else []
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
-        if self.scheduler.auto is not None:
-            out = self._timed(work)
-        else:
-            out = self._launch(work) if self.on_launch else self.runner.run(work)
+        out = self._timed(work) if self.scheduler.auto is not None else self._run(work)
         # Re-entry: the ids of the last stage that emitted are read now that the device has this launch
         # queued behind it (a prelude's is too short to hide the host's output processing behind:
         # the next launch, a core step, does)
@@ -263,7 +260,7 @@ class LLMEngine:
                 sch.auto.learn(stage, n, secs, ch)
             ev = timer.start()
         t0 = time.perf_counter()
-        out = self._launch(work) if self.on_launch else self.runner.run(work)
+        out = self._run(work)
         if timer is not None:
             timer.stop(ev, work.stage, len(work.seqs), chunks)
             secs = None
@@ -271,6 +268,10 @@ class LLMEngine:
             secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
         sch.auto.observe(work.stage, len(work.seqs), secs, idle, slots, chunks)
         return out
+
+    def _run(self, work: Work):
+        """The launch: `runner.run`, with the `on_launch` instruments around it when there are any."""
+        return self._launch(work) if self.on_launch else self.runner.run(work)
 
     def _launch(self, work: Work):
         """`runner.run` with the instruments of `on_launch` around it: each is called with
