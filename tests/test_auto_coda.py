@@ -75,20 +75,54 @@ def test_a_cheap_coda_runs_at_once_an_expensive_one_waits_until_waiting_costs_it
     assert dear.held == 0.0 and dear.describe()["k_hist"] == {1: 1, 4: 1, 64: 1}  # (_auto's two codas, then this one)
 
 
-def test_exits_wait_rather_than_push_the_core_step_past_a_padded_size():
-    # a core step whose every padded row costs (long contexts: attention, not weights): 1 s a row
+def _rows(fixed: float) -> AutoCoda:
+    """A core step whose every padded row costs 1 s (long contexts: attention, not weights) beside a
+    fixed `fixed` s per launch; cheap codas and preludes."""
     a = AutoCoda(pow2)
-    for b in (1, 2, 4, 8, 16, 32, 64):
-        a.observe(Stage.CORE, b, float(b), idle=0, slots=64)
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):
+        a.observe(Stage.CORE, b, fixed + b, idle=0, slots=64)
     for stage in (Stage.CODA, Stage.PRELUDE):
         a.observe(stage, 1, 0.01, idle=0, slots=64)
-    assert a.padding(28, 3, 32.0) == 0.0  # 31 items still fit the 32 rows paid for
+    return a
+
+
+def test_a_core_step_splits_where_padded_rows_cost_more_than_a_launch():
+    a = _rows(fixed=1.0)
+    # 80 items: 64 + 16 rows (65 + 17 s), not 128 (129 s); 64 fill their padded size: one launch
+    assert a.core_plan(80) == (pytest.approx(82.0), 64) and a.core_plan(64) == (65.0, 64)
+    assert a.core_plan(100) == (pytest.approx(65 + 33 + 5), 64)  # 64 + (32 + 4) rows: 103 s < 129 s
+    assert a.core_batch(80) == 64 and a.core_batch(64) == 64 and a.describe()["split_core_steps"] == 1
+    # where the launch's fixed cost is most of it (weights), one launch: 80 items at 128 rows
+    assert _rows(fixed=100.0).core_plan(80) == (228.0, 80)
+    # a smaller size not measured yet is predicted flat at the table's end: no split on a guess
+    b = AutoCoda(pow2)
+    b.observe(Stage.CORE, 128, 129.0, idle=0, slots=64)
+    assert b.core_plan(80) == (129.0, 80)
+    assert AutoCoda(pow2).core_plan(80) == (None, 80)
+
+
+def test_the_scheduler_steps_the_rest_of_a_split_core_queue_next():
+    from infer.engine.scheduler import Scheduler
+    from infer.engine.sequence import Sequence
+    sch = Scheduler.__new__(Scheduler)  # only the core step's choice: a queue and auto's table
+    sch.core_q, sch.riding, sch.auto = [Sequence.__new__(Sequence) for _ in range(80)], {Stage.CORE: []}, _rows(1.0)
+    sch.queues = {Stage.CORE: sch.core_q}
+    q0 = list(sch.core_q)
+    first = sch._core()
+    assert first.seqs == q0[:64] and sch.core_q == q0[64:] + q0[:64]
+    assert sch._core().seqs == q0[64:] + q0[:48]  # the 16 not stepped come first
+
+
+def test_exits_wait_rather_than_push_the_core_step_past_a_padded_size():
+    a = _rows(fixed=40.0)  # (a launch costs too much to split: 72 + 41 s > 104 s for 33 items)
+    assert a.core_plan(33) == (104.0, 33)
+    assert a.padding(28, 3, 72.0) == 0.0  # 31 items still fit the 32 rows paid for
     assert a.coda_now(3, 28, 3, 31)
-    # 33 items would run at 64 rows: 64 - 32 * 33 / 30 s above the step's cost per item now
-    assert a.padding(30, 3, 32.0) == pytest.approx(64 - 32 * 33 / 30)
+    # 33 items would run at 64 rows: 104 - 72 * 33 / 30 s above the step's cost per item now
+    assert a.padding(30, 3, 72.0) == pytest.approx(104 - 72 * 33 / 30)
     assert not a.coda_now(3, 30, 3, 33)
     d = a.describe()["last_decision"]
-    assert d["launch_s"] == pytest.approx(0.02 + d["padding_s"]) and d["padding_s"] == pytest.approx(64 - 32 * 33 / 30)
+    assert d["launch_s"] == pytest.approx(0.02 + d["padding_s"]) and d["padding_s"] == pytest.approx(104 - 72 * 33 / 30)
     # where the weights dominate (a flat cost), more items cost nothing: no padding term
     flat = _auto(core=1.0, coda=0.8, prelude=0.6)
     assert flat.padding(30, 3, 1.0) == 0.0
@@ -132,6 +166,7 @@ def test_engine_reports_what_auto_decided():
     assert d["codas"] == eng.metrics()["stage_calls"]["coda"] and sum(d["k_hist"].values()) == d["codas"]
     m = eng.metrics()
     assert m["auto_coda_codas"] == d["codas"] and m["auto_coda_k_hist"] == d["k_hist"]
+    assert m["auto_coda_split_core_steps"] == d["split_core_steps"] <= m["stage_calls"]["core"]
     assert d["last_decision"] is not None and d["last_decision"]["launch_s"] > 0
     assert LLMEngine(model("huginn-tiny"), EngineConfig(min_coda_batch=1)).auto_coda_metrics() is None
 
@@ -146,6 +181,7 @@ def test_engine_reports_what_auto_decided():
     k, n = next(iter(d["k_hist"].items()))
     assert f'cdb_auto_coda_batch_total{{model_name="m",k="{k}"}} {n}' in text and "cdb_auto_coda_hold_s" in text \
         and "cdb_auto_coda_padding_s" in text
+    assert f'cdb_auto_coda_split_core_steps{{model_name="m"}} {d["split_core_steps"]}' in text
 
 
 def test_simulator_auto_follows_the_models_coda_cost():

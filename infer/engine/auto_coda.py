@@ -1,4 +1,5 @@
-"""`min_coda_batch="auto"`: when to launch the waiting exits' coda, decided from what launches cost.
+"""`min_coda_batch="auto"`: when to launch the waiting exits' coda (and how to split a core step),
+decided from what launches cost.
 
 A coda (and the prelude that puts its tokens back into the loop) costs about the same for 4 exits
 as for 40 on a GPU: it reads the coda's and the head's weights once. Launching it for every exit
@@ -15,6 +16,12 @@ is the balance at the economic order quantity (holding cost per cycle = order co
 constant tuned. Ouro-1.4B's coda is its head alone (cheap next to 24 core layers), so it runs at
 once (K = 1 in effect). Huginn-3.5B's is two layers plus the head (more than its 4-layer core step),
 so exits gather, as the paper's K ~ W/4 does by hand.
+
+The same table decides how many core items one launch takes (`core_plan`). Launches run at padded
+sizes (powers of two, for CUDA graphs); where every padded row costs (long contexts, whose SDPA
+gather reads each row's longest context), a loop of 80 items is cheaper as launches of 64 and 16
+rows than as one of 128. The items not stepped go first in the next core launch. Where the weights
+are the cost, one launch wins and nothing splits.
 
 Costs come from `StageCosts`: the seconds each launch took (a virtual runner's `last_seconds`, the
 simulator's or the emulated device's cost model; the wall clock on a CPU, where launches are
@@ -93,6 +100,7 @@ class AutoCoda:
         self.costs = StageCosts()
         self.held = 0.0  # seconds of running capacity the waiting exits have cost since the last coda
         self.k_hist: Counter[int] = Counter()  # coda batch -> codas launched with it
+        self.splits = 0  # core steps split into launches at smaller padded sizes (core_plan)
         self.last: tuple | None = None  # the last decision: (exits waiting, hold, launch cost, its padding part, now?)
 
     def padded(self, n: int) -> int:
@@ -101,32 +109,55 @@ class AutoCoda:
             p = self._pads[n] = self._padded(n)
         return p
 
+    def core_plan(self, n: int) -> tuple[float | None, int]:
+        """Stepping `n` core items once: its predicted seconds, and the items its first launch takes.
+        One launch at the padded batch, or one at the padded size below it with the rest planned
+        alike, whichever the table predicts cheaper. Where a launch's cost is its weights, one launch
+        wins; where every padded row costs (long contexts: SDPA gathers each padded row to the
+        batch's longest context), 80 items run as 64 + 16 rows, not 128. Sizes not seen yet are
+        predicted flat beyond the table's ends, so a split needs a measured smaller size."""
+        p = self.padded(n)
+        whole = self.costs.predict(Stage.CORE, p)
+        a = self.padded(p // 2)
+        if whole is None or not 0 < a < n:
+            return whole, n
+        split = self.costs.predict(Stage.CORE, a) + self.core_plan(n - a)[0]
+        return (split, a) if split < whole else (whole, n)
+
+    def core_batch(self, n: int) -> int:
+        """How many of the `n` core items the next core launch takes (core_plan)."""
+        a = self.core_plan(n)[1]
+        self.splits += a < n
+        return a
+
     def coda_now(self, exits: int, in_loop: int, idle: int, slots: int) -> bool:
-        """Launch the coda of the `exits` waiting now, rather than one more core step over `in_loop`
-        items first? `idle` of the `slots` running sequences wait on it (Scheduler.idle)."""
-        core = self.costs.predict(Stage.CORE, self.padded(in_loop))
+        """Launch the coda of the `exits` waiting now, rather than one more core launch over (the
+        first of) `in_loop` items first? `idle` of the `slots` running sequences wait on it
+        (Scheduler.idle)."""
+        step, first = self.core_plan(in_loop)  # (stepping the loop once; its next launch's items)
+        core = step if first == in_loop else self.costs.predict(Stage.CORE, self.padded(first))
         # what merging two codas (and their preludes) saves: the part of their cost that does not
         # grow with the batch (weights, launch); the per-item part is paid either way
         coda, pre = self.costs.fixed(Stage.CODA), self.costs.fixed(Stage.PRELUDE)
         if core is None or coda is None or pre is None:
             return True  # nothing measured yet: K = 1
-        hold = self.held + idle * core / max(1, slots)  # ... if they wait one more core step
-        pad = self.padding(in_loop, exits, core)
+        hold = self.held + idle * core / max(1, slots)  # ... if they wait one more core launch
+        pad = self.padding(in_loop, exits, step)
         launch = coda + pre + pad
         now = hold >= launch
         self.last = (exits, hold, launch, pad, now)
         return now
 
-    def padding(self, in_loop: int, exits: int, core: float) -> float:
+    def padding(self, in_loop: int, exits: int, step: float) -> float:
         """What the exits' re-entry adds to the next core step beyond their own share: the step's
-        cost at its new padded batch above the cost per item it has now, times its new item count.
+        cost with them (core_plan) above the cost per item it has now (`step`: core_plan's for
+        `in_loop`), times its new item count.
         Zero while they fit in the padded rows the step pays for anyway (or where its cost is mostly
         the weights, which more items share); large where they push it past a padded size and
         every row costs (long contexts, whose attention dominates: SDPA gathers per padded row)."""
         if not in_loop:
             return 0.0
-        after = self.costs.predict(Stage.CORE, self.padded(in_loop + exits))
-        return max(0.0, after - core * (in_loop + exits) / in_loop)
+        return max(0.0, self.core_plan(in_loop + exits)[0] - step * (in_loop + exits) / in_loop)
 
     def observe(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int,
                 chunks: bool = False) -> None:
@@ -156,7 +187,7 @@ class AutoCoda:
         """The K chosen over time (coda batch histogram) and why (the last decision's costs)."""
         n = sum(self.k_hist.values())
         return {"codas": n, "mean_k": sum(k * c for k, c in self.k_hist.items()) / n if n else None,
-                "k_hist": dict(sorted(self.k_hist.items())),
+                "k_hist": dict(sorted(self.k_hist.items())), "split_core_steps": self.splits,
                 "last_decision": None if self.last is None else dict(zip(("waiting", "hold_s", "launch_s", "padding_s",
                                                                           "coda_now"), self.last))}
 

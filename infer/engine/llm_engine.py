@@ -406,4 +406,5 @@ def _auto_coda_gauges(d: dict) -> dict:
     last = d["last_decision"] or {}
     return {"auto_coda_codas": d["codas"], "auto_coda_mean_k": d["mean_k"] or 0.0, "auto_coda_k_hist": d["k_hist"],
             "auto_coda_hold_s": last.get("hold_s", 0.0), "auto_coda_launch_s": last.get("launch_s", 0.0),
-            "auto_coda_padding_s": last.get("padding_s", 0.0), "auto_coda_waiting": last.get("waiting", 0)}
+            "auto_coda_padding_s": last.get("padding_s", 0.0), "auto_coda_waiting": last.get("waiting", 0),
+            "auto_coda_split_core_steps": d["split_core_steps"]}

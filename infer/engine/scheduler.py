@@ -10,7 +10,9 @@ tokens waiting for the coda). `schedule()` picks the next stage and its batch:
 - `cdb`, refill=False: a cohort runs prelude, core steps until all its tokens exited (exited
   tokens leave the batch), then one coda; new requests are prefilled between cohorts.
 - `cdb`, refill=True: right after a prefill or a coda, the prelude; else the coda once at least
-  `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step.
+  `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step
+  (under min_coda_batch="auto", the first of its items when two launches at smaller padded sizes
+  cost less than one: auto_coda.py).
 One ladder (`_policy`) serves both prefill modes; they differ in one step, `_prefill`:
 - `prefill="separate"`: whole prompts run in prefill launches of their own, of at most
   `max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
@@ -197,7 +199,19 @@ class Scheduler:
             return self._prelude()
         if (self.coda_q or at[CODA]) and (at[CODA] or not (self.core_q or at[CORE]) or self._coda_now()):
             return self._take(CODA)  # (a finished chunk counts as K exits: its first token waits)
-        return self._prefill() or self._take(CORE) or self._prelude()
+        return self._prefill() or self._core() or self._prelude()
+
+    def _core(self) -> Work | None:
+        """Refill's core step: every item in the loop, or under "auto" the first of them when two
+        launches at smaller padded sizes cost less than one (AutoCoda.core_plan). The items stepped
+        go to the back of the queue, so the next core launch takes those that were not."""
+        q = self.core_q
+        a = self.auto.core_batch(len(q)) if self.auto is not None and len(q) > 1 else len(q)
+        work = self._take(CORE)
+        if work is not None and a < len(q):
+            work.seqs = q[:a]
+            q[:] = q[a:] + q[:a]
+        return work
 
     def _coda_now(self) -> bool:
         """Refill: the waiting exits' coda now, rather than another core step first: K of them wait,
