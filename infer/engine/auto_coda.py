@@ -50,6 +50,7 @@ class StageCosts:
     def __init__(self):
         self.table: dict[Stage, dict[int, float]] = {}
         self.clean: set[Stage] = set()  # stages whose row holds launches without prompt chunks only
+        self._fixed: dict[Stage, float] = {}  # (fixed(), until the stage's row changes)
 
     def observe(self, stage: Stage, padded: int, seconds: float, chunks: bool = False) -> None:
         if chunks and stage in self.clean:
@@ -60,34 +61,44 @@ class StageCosts:
         row = self.table.setdefault(stage, {})
         old = row.get(padded)
         row[padded] = seconds if old is None else old + EMA * (seconds - old)
+        self._fixed.pop(stage, None)
 
     def predict(self, stage: Stage, padded: int) -> float | None:
         row = self.table.get(stage)
-        if not row:
-            return None
-        t = row.get(padded)
-        if t is not None:
-            return t
-        xs = sorted(row)
-        if padded <= xs[0]:
-            return row[xs[0]]
-        if padded >= xs[-1]:
-            return row[xs[-1]]
-        hi = next(x for x in xs if x > padded)
-        lo = max(x for x in xs if x < padded)
-        return row[lo] + (row[hi] - row[lo]) * (padded - lo) / (hi - lo)
+        return at(row, padded) if row else None
 
     def fixed(self, stage: Stage) -> float | None:
         """The part of a launch's cost that does not grow with its batch: the line through the two
         smallest padded sizes seen, at batch 0 (the cost at the smallest if only one was seen)."""
+        f = self._fixed.get(stage)
+        if f is not None:
+            return f
         row = self.table.get(stage)
         if not row:
             return None
         xs = sorted(row)[:2]
         if len(xs) == 1:
-            return row[xs[0]]
-        (x0, x1), (y0, y1) = xs, (row[xs[0]], row[xs[1]])
-        return min(y0, max(0.0, y0 - (y1 - y0) / (x1 - x0) * x0))
+            f = row[xs[0]]
+        else:
+            (x0, x1), (y0, y1) = xs, (row[xs[0]], row[xs[1]])
+            f = min(y0, max(0.0, y0 - (y1 - y0) / (x1 - x0) * x0))
+        self._fixed[stage] = f
+        return f
+
+
+def at(row: dict[int, float], padded: int) -> float:
+    """A stage's row at a padded size: linear between the sizes seen, flat outside them."""
+    t = row.get(padded)
+    if t is not None:
+        return t
+    xs = sorted(row)
+    if padded <= xs[0]:
+        return row[xs[0]]
+    if padded >= xs[-1]:
+        return row[xs[-1]]
+    hi = next(x for x in xs if x > padded)
+    lo = max(x for x in xs if x < padded)
+    return row[lo] + (row[hi] - row[lo]) * (padded - lo) / (hi - lo)
 
 
 class AutoCoda:
@@ -116,12 +127,21 @@ class AutoCoda:
         wins; where every padded row costs (long contexts: SDPA gathers each padded row to the
         batch's longest context), 80 items run as 64 + 16 rows, not 128. Sizes not seen yet are
         predicted flat beyond the table's ends, so a split needs a measured smaller size."""
+        row = self.costs.table.get(Stage.CORE)
+        if not row:
+            return None, n
+        return self._plan(row, n, min(row.values()))
+
+    def _plan(self, row: dict[int, float], n: int, least: float) -> tuple[float, int]:
         p = self.padded(n)
-        whole = self.costs.predict(Stage.CORE, p)
+        whole = at(row, p)
         a = self.padded(p // 2)
-        if whole is None or not 0 < a < n:
+        if not 0 < a < n:
             return whole, n
-        split = self.costs.predict(Stage.CORE, a) + self.core_plan(n - a)[0]
+        part = at(row, a)
+        if part + least >= whole:  # (no plan for the rest costs less than the cheapest launch)
+            return whole, n
+        split = part + self._plan(row, n - a, least)[0]
         return (split, a) if split < whole else (whole, n)
 
     def core_batch(self, n: int) -> int:
