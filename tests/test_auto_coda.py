@@ -4,7 +4,7 @@ and in the simulator the paper models' contrast (Ouro: the coda at once; Huginn:
 Exactness under auto is in the engine's equality suite (tests/test_engine.py, helpers.MODES_AUTO)."""
 import pytest
 
-from infer.engine.auto_coda import AutoCoda, StageCosts
+from infer.engine.auto_coda import EMA, REPLAN, AutoCoda, StageCosts
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
@@ -99,6 +99,24 @@ def test_a_core_step_splits_where_padded_rows_cost_more_than_a_launch():
     b.observe(Stage.CORE, 128, 129.0, idle=0, slots=64)
     assert b.core_plan(80) == (129.0, 80)
     assert AutoCoda(pow2).core_plan(80) == (None, 80)
+
+
+def test_core_splits_follow_the_row_every_replan_launches_and_at_once_on_a_new_size():
+    a = _rows(fixed=1.0)
+    assert a.core_batch(80) == 64
+    for i in range(REPLAN):  # the 128-row launch turns cheap (1 s): the moving average follows it
+        assert a.core_batch(80) == 64, i  # (the split planned before, until REPLAN core launches are learned)
+        a.observe(Stage.CORE, 128, 1.0, idle=0, slots=64)
+        # the coda decision's plans follow every launch
+        whole = 1 + 128 * (1 - EMA) ** (i + 1)
+        assert a.core_plan(80) == ((pytest.approx(82.0), 64) if whole > 82 else (pytest.approx(whole), 80))
+    assert a.core_batch(80) == 80  # one launch now
+    b = AutoCoda(pow2)
+    b.observe(Stage.CORE, 128, 129.0, idle=0, slots=64)
+    assert b.core_batch(80) == 80
+    for size in (64, 16):  # sizes seen for the first time: planned again at once
+        b.observe(Stage.CORE, size, 1.0 + size, idle=0, slots=64)
+    assert b.core_batch(80) == 64
 
 
 def test_the_scheduler_steps_the_rest_of_a_split_core_queue_next():

@@ -39,6 +39,11 @@ from typing import Callable
 from .sequence import Stage
 
 EMA = 0.2  # weight of a new observation in a stage's moving average
+# core_batch's splits follow the core row every REPLAN core launches (the moving average's time
+# constant is 1 / EMA = 5 launches) and at once when a padded size is first seen: planned at every
+# launch, they cost 3 of a 25 us core step's host time (python -m infer.bench.host --vs-auto, batch 16)
+REPLAN = 8
+CORE, CODA = Stage.CORE, Stage.CODA  # (module constants: observe runs at every launch)
 
 
 class StageCosts:
@@ -52,16 +57,21 @@ class StageCosts:
         self.clean: set[Stage] = set()  # stages whose row holds launches without prompt chunks only
         self._fixed: dict[Stage, float] = {}  # (fixed(), until the stage's row changes)
 
-    def observe(self, stage: Stage, padded: int, seconds: float, chunks: bool = False) -> None:
-        if chunks and stage in self.clean:
-            return
-        if not chunks and stage not in self.clean:
+    def observe(self, stage: Stage, padded: int, seconds: float, chunks: bool = False) -> bool:
+        """Learn a launch's seconds; True where the row gained a padded size (or started again)."""
+        if chunks:
+            if stage in self.clean:
+                return False
+        elif stage not in self.clean:
             self.clean.add(stage)
             self.table.pop(stage, None)
-        row = self.table.setdefault(stage, {})
+        row = self.table.get(stage)
+        if row is None:
+            row = self.table[stage] = {}
         old = row.get(padded)
         row[padded] = seconds if old is None else old + EMA * (seconds - old)
         self._fixed.pop(stage, None)
+        return old is None
 
     def predict(self, stage: Stage, padded: int) -> float | None:
         row = self.table.get(stage)
@@ -108,6 +118,10 @@ class AutoCoda:
     def __init__(self, padded: Callable[[int], int]):
         self._padded = padded
         self._pads: dict[int, int] = {}  # (the runner's padding, computed once per batch size)
+        self._plans: dict[int, tuple[float, int]] = {}  # (core_plan's, until the core row changes)
+        self._firsts: dict[int, int] = {}  # (core_batch's, until they follow the core row: REPLAN)
+        self._core_seen = 0  # (core launches learned since the splits were planned)
+        self._least = 0.0  # (the core row's cheapest launch, kept with the plans)
         self.costs = StageCosts()
         self.held = 0.0  # seconds of running capacity the waiting exits have cost since the last coda
         self.k_hist: Counter[int] = Counter()  # coda batch -> codas launched with it
@@ -127,18 +141,28 @@ class AutoCoda:
         wins; where every padded row costs (long contexts: SDPA gathers each padded row to the
         batch's longest context), 80 items run as 64 + 16 rows, not 128. Sizes not seen yet are
         predicted flat beyond the table's ends, so a split needs a measured smaller size."""
-        row = self.costs.table.get(Stage.CORE)
-        if not row:
-            return None, n
-        return self._plan(row, n, min(row.values()))
+        plan = self._plans.get(n)
+        if plan is None:
+            row = self.costs.table.get(Stage.CORE)
+            if not row:
+                return None, n
+            if not self._plans:
+                self._least = min(row.values())
+            plan = self._plans[n] = self._plan(row, n, self._least)
+        return plan
 
     def _plan(self, row: dict[int, float], n: int, least: float) -> tuple[float, int]:
-        p = self.padded(n)
-        whole = at(row, p)
-        a = self.padded(p // 2)
+        pads = self._pads  # (padded(), inline: this runs at every core launch)
+        p = pads.get(n) or self.padded(n)
+        whole = row.get(p)
+        if whole is None:
+            whole = at(row, p)
+        a = pads.get(p // 2) or self.padded(p // 2)
         if not 0 < a < n:
             return whole, n
-        part = at(row, a)
+        part = row.get(a)
+        if part is None:
+            part = at(row, a)
         if part + least >= whole:  # (no plan for the rest costs less than the cheapest launch)
             return whole, n
         split = part + self._plan(row, n - a, least)[0]
@@ -146,8 +170,11 @@ class AutoCoda:
 
     def core_batch(self, n: int) -> int:
         """How many of the `n` core items the next core launch takes (core_plan)."""
-        a = self.core_plan(n)[1]
-        self.splits += a < n
+        a = self._firsts.get(n)
+        if a is None:
+            a = self._firsts[n] = self.core_plan(n)[1]
+        if a < n:
+            self.splits += 1
         return a
 
     def coda_now(self, exits: int, in_loop: int, idle: int, slots: int) -> bool:
@@ -183,7 +210,7 @@ class AutoCoda:
                 chunks: bool = False) -> None:
         """A launch of `batch` decode items (and prompt chunks, if `chunks`) took `seconds` (None:
         not known); `idle` of `slots` waited through it (coda_now)."""
-        if stage is Stage.CODA:
+        if stage is CODA:
             self.k_hist[batch] += 1
             self.held = 0.0
         elif idle:
@@ -201,7 +228,13 @@ class AutoCoda:
     def learn(self, stage: Stage, batch: int, seconds: float, chunks: bool = False) -> None:
         """What a launch took, once known (on CUDA, when its events are done: LaunchTimer)."""
         if batch:
-            self.costs.observe(stage, self.padded(batch), seconds, chunks)
+            new = self.costs.observe(stage, self._pads.get(batch) or self.padded(batch), seconds, chunks)
+            if stage is CORE:
+                self._plans.clear()
+                self._core_seen += 1
+                if new or self._core_seen >= REPLAN:
+                    self._firsts.clear()
+                    self._core_seen = 0
 
     def describe(self) -> dict:
         """The K chosen over time (coda batch histogram) and why (the last decision's costs)."""

@@ -223,8 +223,10 @@ class Scheduler:
 
     def idle(self) -> tuple[int, int]:
         """(min_coda_batch="auto") The exits waiting for a coda, and the running sequences. (Waiting
-        requests are not counted: most wait for KV memory, which an earlier coda does not free.)"""
-        return len(self.coda_q), self.num_running
+        requests are not counted: most wait for KV memory, which an earlier coda does not free.)
+        With no exit waiting the running count is not needed (0): it runs at every launch."""
+        n = len(self.coda_q)
+        return n, self.num_running if n else 0
 
     def _speculate(self) -> Work | None:
         """Self-speculation (speculative.py) when few sequences run: at most
