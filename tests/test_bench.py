@@ -278,6 +278,32 @@ def test_bench_host_runs_and_reports_every_stage(tmp_path, capsys):
     assert att["rows_paged"] >= att["context"] > 0 and att["rows_read"] >= att["rows_paged"]
 
 
+def test_bench_host_vs_auto_scales_a_host_table_stage_by_stage(tmp_path):
+    """--vs-auto: the CDB stages under K=1 and min_coda_batch=auto side by side, and with --onto a
+    committed table whose CDB stages are scaled by what auto measured (the table a simulation of auto
+    charges): each entry x its stage's ratio at the nearest measured batch, CB's fused row as it was."""
+    from infer.bench import host
+    stages = ("prelude", "core", "coda", "fused")
+    base = {"host_us": {str(b): {k: {"median": 10.0 * b, "p90": 20.0 * b, "n": 5} for k in stages} for b in (16, 64)},
+            "pre_us": {"16": {"core": {"median": 4.0, "p90": 5.0, "n": 5}}}, "command": "the base's"}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    out = tmp_path / "auto.json"
+    host.main(["--vs-auto", "--batches", "16", "--steps", "6", "--repeats", "2", "--onto", str(tmp_path / "base.json"),
+               "--out", str(out)])
+    d = json.loads(out.read_text())
+    r = d["vs_auto"]["16"]
+    assert set(r) == {"prelude", "core", "coda"}
+    assert all(v[key]["k1"] > 0 and v[key]["auto"] / v[key]["k1"] == pytest.approx(v[key]["ratio"])
+               for v in r.values() for key in ("host_us", "pre_us"))
+    for b in ("16", "64"):  # (batch 64 takes batch 16's ratios: the only ones measured)
+        for k in ("prelude", "core", "coda"):
+            assert d["host_us"][b][k]["median"] == pytest.approx(10.0 * int(b) * r[k]["host_us"]["ratio"])
+            assert d["host_us"][b][k]["p90"] == pytest.approx(20.0 * int(b) * r[k]["host_us"]["ratio"])
+        assert d["host_us"][b]["fused"] == base["host_us"][b]["fused"]
+    assert d["pre_us"]["16"]["core"]["median"] == pytest.approx(4.0 * r["core"]["pre_us"]["ratio"])
+    assert d["command"] == "the base's" and d["vs_auto_command"].startswith("python -m infer.bench.host --vs-auto")
+
+
 def test_prefix_bench_runs_and_caching_helps(capsys):
     """python -m infer.bench.prefix on the simulator: same requests with caching off and on; every
     request after the first ones hits the shared 512-token prefix, so fewer prompt tokens are

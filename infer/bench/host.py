@@ -76,7 +76,8 @@ class NoopRunner(ModelRunner):
         return torch.zeros(last.shape[0], 1)
 
 
-CDB = dict(policy="cdb", refill=True, r_min=2)  # CDB refill K=1; r_min: see NoopRunner._scores
+CDB = dict(policy="cdb", refill=True, r_min=2, min_coda_batch=1)  # CDB refill K=1; r_min: see NoopRunner._scores
+AUTO = {**CDB, "min_coda_batch": "auto"}
 
 
 def contexts(batch: int, seed: int, room: int) -> list[int]:
@@ -215,6 +216,55 @@ def onto(base: dict, run: dict, name: str) -> dict:
             "reentry_run": {k: run[k] for k in ("host_us", "host_async_us", "pre_us", "pre_async_us", "command")}}
 
 
+def vs_auto(batches: list[int], steps: int, rounds: int, seed: int = 0) -> dict:
+    """min_coda_batch="auto"'s host cost: the CDB stages under K=1 and under auto, passes
+    interleaved (K=1, auto, auto, K=1, ...); per batch and stage, the median over passes of each
+    pass's median microseconds per step (`host_us`: the whole step; `pre_us`: up to its launch) and
+    auto / K=1. The no-op model's tokens all exit at depth 2, so auto's coda decision is never asked
+    (no core step is left when exits wait); what it adds is its per-launch bookkeeping (timing,
+    `observe`) and the core step's split check (`core_batch`)."""
+    out: dict = {}
+    for b in batches:
+        got: dict[str, dict[str, dict[str, list[float]]]] = {"k1": {}, "auto": {}}
+        for r in range(rounds):
+            for name in ("k1", "auto") if r % 2 == 0 else ("auto", "k1"):
+                m = measure(b, CDB if name == "k1" else AUTO, steps, seed)
+                for key in ("host_us", "pre_us"):
+                    for stage, v in m[key].items():
+                        got[name].setdefault(key, {}).setdefault(stage, []).append(v["median"])
+        row = out[str(b)] = {}
+        for stage in got["k1"]["host_us"]:
+            if stage == "prefill":  # (prompts' prefill launches: not what auto decides, and ms each)
+                continue
+            e = row[stage] = {}
+            for key in ("host_us", "pre_us"):
+                k1, auto = (statistics.median(got[n][key][stage]) for n in ("k1", "auto"))
+                e[key] = {"k1": k1, "auto": auto, "ratio": auto / k1}
+    return out
+
+
+def onto_auto(base: dict, ratios: dict, name: str) -> dict:
+    """`base` (a host table) with every CDB stage's entries x auto / K=1 as `ratios` (vs_auto)
+    measured them, the step's pre-launch tables by its pre-launch ratio: the host table a
+    simulation of min_coda_batch="auto" charges. The re-entry tables take the synchronous ratios
+    (the bookkeeping is the same code on both paths)."""
+    out = {**base, "vs_auto": ratios}
+    for key, part in (("host_us", "host_us"), ("host_async_us", "host_us"), ("pre_us", "pre_us"),
+                      ("pre_async_us", "pre_us")):
+        table = {b: dict(row) for b, row in base.get(key, {}).items()}
+        for b, row in table.items():
+            near = min(ratios, key=lambda x: abs(int(x) - int(b)))  # (the measured batch nearest)
+            for stage, r in ratios[near].items():
+                if stage in row:
+                    f = r[part]["ratio"]
+                    row[stage] = {**row[stage], **{q: row[stage][q] * f for q in ("median", "p90")}}
+        if table:
+            out[key] = table
+    out["vs_auto_note"] = (f"{name}'s tables with each CDB stage x auto / K=1 (vs_auto, measured side by side in "
+                           f"one run: vs_auto_command); the table a simulation of min_coda_batch=auto charges")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.bench.host", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (it is printed either way)")
@@ -229,11 +279,23 @@ def main(argv: list[str] | None = None) -> None:
                         "with) and put this run's re-entry table onto it: each entry x FILE's / this run's "
                         "synchronous median of its stage (resolve_<stage>: of <stage>), the ratio this run measured "
                         "side by side carried over to FILE's machine phase")
+    p.add_argument("--vs-auto", action="store_true",
+                   help="only min_coda_batch=auto's host cost: the CDB stages under K=1 and auto, --repeats "
+                        "interleaved passes each (vs_auto); with --onto FILE, FILE's tables scaled by it")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    command = "python -m infer.bench.host " + " ".join(argv if argv is not None else sys.argv[1:])
+    if a.vs_auto:
+        with torch.inference_mode():
+            measure(a.batches[0], CDB, a.steps, a.seed)  # warm-up, discarded
+            ratios = vs_auto(a.batches, a.steps, a.repeats, a.seed)
+        if a.onto is None:
+            return _emit({"vs_auto": ratios, "command": command}, a.out)
+        return _emit({**onto_auto(json.loads(a.onto.read_text()), ratios, str(a.onto)), "vs_auto_command": command},
+                     a.out)
     out: dict = {"host_us": {}, "runner_us": {}, "rest_us": {}, "pre_us": {}, "host_async_us": {},
                  "pre_async_us": {}, "serving_host_us": {}, "attention": {}, "context_mean": {},
-                 "command": "python -m infer.bench.host " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "command": command,
                  "note": "model math and KV kernels removed (NoopRunner); CDB refill K=1 for prefill/prelude/core/coda, CB for "
                          "fused; microseconds of CPU per engine step; per stage kind the pass (of --repeats) with the "
                          "lowest median; serving_host_us: the same CDB stages with a tokenizer attached (every token "
@@ -279,11 +341,15 @@ def main(argv: list[str] | None = None) -> None:
     out["detokenize_4000"] = detok_bench(4000, tok)
     if a.onto is not None:
         out = onto(json.loads(a.onto.read_text()), out, str(a.onto))
+    _emit(out, a.out)
+
+
+def _emit(out: dict, path: Path | None) -> None:
     text = json.dumps(out, indent=1)
     print(text)
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
 
 
 if __name__ == "__main__":
