@@ -2,9 +2,11 @@
 rule on made-up costs, what it reports (bench JSON, metrics, /metrics), the setting's validation,
 and in the simulator the paper models' contrast (Ouro: the coda at once; Huginn: exits gather).
 Exactness under auto is in the engine's equality suite (tests/test_engine.py, helpers.MODES_AUTO)."""
+import random
+
 import pytest
 
-from infer.engine.auto_coda import EMA, REPLAN, AutoCoda, StageCosts
+from infer.engine.auto_coda import EMA, REPLAN, AutoCoda, StageCosts, at
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.sampling import SamplingParams
@@ -117,6 +119,42 @@ def test_core_splits_follow_the_row_every_replan_launches_and_at_once_on_a_new_s
     for size in (64, 16):  # sizes seen for the first time: planned again at once
         b.observe(Stage.CORE, size, 1.0 + size, idle=0, slots=64)
     assert b.core_batch(80) == 64
+
+
+def _plan_recursive(a: AutoCoda, row: dict[int, float], n: int, least: float) -> tuple[float, int]:
+    """core_plan as first written (recursive): the unrolled AutoCoda._plan must equal it."""
+    p = a.padded(n)
+    whole, h = at(row, p), a.padded(p // 2)
+    if not 0 < h < n or at(row, h) + least >= whole:
+        return whole, n
+    split = at(row, h) + _plan_recursive(a, row, n - h, least)[0]
+    return (split, h) if split < whole else (whole, n)
+
+
+def test_the_unrolled_plan_equals_the_recursion_and_fixed_follows_its_sizes():
+    seed = 39
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(200):
+        a = AutoCoda(pow2)
+        fixed, per = rng.uniform(0, 5), rng.uniform(0.01, 2)
+        for b in rng.sample([1, 2, 4, 8, 16, 32, 64, 128, 256], rng.randint(1, 9)):
+            a.observe(Stage.CORE, b, (fixed + per * b) * rng.uniform(0.7, 1.3), idle=0, slots=64)
+        row = a.costs.table[Stage.CORE]
+        least = min(row.values())
+        for n in range(1, 300):
+            assert a.core_plan(n) == _plan_recursive(a, row, n, least), (row, n)
+    # fixed(): the line through the two smallest sizes, redrawn only when one of them (or a new size) moves
+    c = StageCosts()
+    for b, t in ((4, 3.0), (8, 5.0), (64, 40.0)):
+        c.observe(Stage.CODA, b, t)
+    assert c.fixed(Stage.CODA) == 1.0
+    c.observe(Stage.CODA, 64, 80.0)  # (not one of them: the same line)
+    assert c.fixed(Stage.CODA) == 1.0
+    c.observe(Stage.CODA, 8, 10.0)  # 5 -> 6: the line through (4, 3) and (8, 6) meets 0 at 0
+    assert c.fixed(Stage.CODA) == pytest.approx(0.0)
+    c.observe(Stage.CODA, 2, 2.5)  # a new smallest size: (2, 2.5) and (4, 3) -> 2.0
+    assert c.fixed(Stage.CODA) == pytest.approx(2.0)
 
 
 def test_the_scheduler_steps_the_rest_of_a_split_core_queue_next():

@@ -55,7 +55,8 @@ class StageCosts:
     def __init__(self):
         self.table: dict[Stage, dict[int, float]] = {}
         self.clean: set[Stage] = set()  # stages whose row holds launches without prompt chunks only
-        self._fixed: dict[Stage, float] = {}  # (fixed(), until the stage's row changes)
+        self._fixed: dict[Stage, float] = {}  # (fixed(), until one of the sizes it was drawn through changes)
+        self._through: dict[Stage, tuple[int, ...]] = {}  # (those sizes: the row's two smallest)
 
     def observe(self, stage: Stage, padded: int, seconds: float, chunks: bool = False) -> bool:
         """Learn a launch's seconds; True where the row gained a padded size (or started again)."""
@@ -70,7 +71,8 @@ class StageCosts:
             row = self.table[stage] = {}
         old = row.get(padded)
         row[padded] = seconds if old is None else old + EMA * (seconds - old)
-        self._fixed.pop(stage, None)
+        if old is None or padded in self._through.get(stage, ()):
+            self._fixed.pop(stage, None)
         return old is None
 
     def predict(self, stage: Stage, padded: int) -> float | None:
@@ -86,7 +88,7 @@ class StageCosts:
         row = self.table.get(stage)
         if not row:
             return None
-        xs = sorted(row)[:2]
+        xs = self._through[stage] = tuple(sorted(row)[:2])
         if len(xs) == 1:
             f = row[xs[0]]
         else:
@@ -152,21 +154,30 @@ class AutoCoda:
         return plan
 
     def _plan(self, row: dict[int, float], n: int, least: float) -> tuple[float, int]:
-        pads = self._pads  # (padded(), inline: this runs at every core launch)
-        p = pads.get(n) or self.padded(n)
-        whole = row.get(p)
-        if whole is None:
-            whole = at(row, p)
-        a = pads.get(p // 2) or self.padded(p // 2)
-        if not 0 < a < n:
-            return whole, n
-        part = row.get(a)
-        if part is None:
-            part = at(row, a)
-        if part + least >= whole:  # (no plan for the rest costs less than the cheapest launch)
-            return whole, n
-        split = part + self._plan(row, n - a, least)[0]
-        return (split, a) if split < whole else (whole, n)
+        """core_plan's recursion, unrolled (it runs at every coda decision): plan(n) is one launch, or
+        one at the padded size below plus plan(rest). Going down, each level whose piece plus the
+        cheapest launch still costs less than its whole is kept; coming back up, each takes the cheaper."""
+        pads, kept = self._pads, []
+        while True:
+            p = pads.get(n) or self.padded(n)
+            whole = row.get(p)
+            if whole is None:
+                whole = at(row, p)
+            a = pads.get(p // 2) or self.padded(p // 2)
+            if not 0 < a < n:
+                break
+            part = row.get(a)
+            if part is None:
+                part = at(row, a)
+            if part + least >= whole:  # (no plan for the rest costs less than the cheapest launch)
+                break
+            kept.append((whole, part, a, n))
+            n -= a
+        cost, first = whole, n
+        for whole, part, a, m in reversed(kept):
+            split = part + cost
+            cost, first = (split, a) if split < whole else (whole, m)
+        return cost, first
 
     def core_batch(self, n: int) -> int:
         """How many of the `n` core items the next core launch takes (core_plan)."""
