@@ -64,7 +64,9 @@ def engine_settings(args: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for f in fields(EngineConfig):
         if f.name in args:
-            out[f.name] = _opt(cast[f.type.split(" | ")[0]], args[f.name])
+            v, kind = args[f.name], f.type.split(" | ")
+            # ("auto" where a setting takes it: refill, min_coda_batch; EngineConfig refuses it elsewhere)
+            out[f.name] = v if v == "auto" and "str" in kind else _opt(cast[kind[0]], v)
     return {k: v for k, v in out.items() if v is not None}
 
 

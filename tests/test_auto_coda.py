@@ -195,6 +195,9 @@ def test_a_launch_with_prompt_chunks_charges_the_waiting_exits_its_decode_part_o
 
 def test_setting_validation_and_flag():
     assert EngineConfig(min_coda_batch="auto").min_coda_batch == "auto"
+    for bad in ("sometimes", 1, None):
+        with pytest.raises(ParamError, match="refill must be True, False or 'auto'"):
+            EngineConfig(refill=bad)
     for bad in ("often", 0, 2.5):
         with pytest.raises(ParamError, match="min_coda_batch must be an integer >= 1 or 'auto'"):
             EngineConfig(min_coda_batch=bad)
@@ -207,6 +210,12 @@ def test_setting_validation_and_flag():
     assert engine_kwargs_from_args(p.parse_args(["--min-coda-batch", "4"]))["min_coda_batch"] == 4
     with pytest.raises(SystemExit):
         p.parse_args(["--min-coda-batch", "often"])
+    assert engine_kwargs_from_args(p.parse_args(["--no-refill"]))["refill"] is False
+    assert "refill" not in engine_kwargs_from_args(p.parse_args([]))  # (unset: EngineConfig's "auto")
+    # lm-eval model_args come as strings: "auto" stays "auto" where a setting takes it
+    from eval.lm import engine_settings
+    assert engine_settings({"refill": "auto", "min_coda_batch": "auto"}) == {"refill": "auto", "min_coda_batch": "auto"}
+    assert engine_settings({"refill": "false", "min_coda_batch": "4"}) == {"refill": False, "min_coda_batch": 4}
 
 
 def test_engine_reports_what_auto_decided():
@@ -266,6 +275,48 @@ def test_simulator_auto_follows_the_models_coda_cost():
     assert huginn["auto"]["auto_coda"]["mean_k"] == pytest.approx(coda["huginn-3.5b"]["auto"])
     assert huginn["auto"]["output_tokens_per_s"] > 1.05 * huginn["k1"]["output_tokens_per_s"]
     assert ouro["k1"]["auto_coda"] is None
+
+
+def _codas_mid_loop(refill, coda_s: float) -> tuple[int, int]:
+    """Simulated engine, 12 requests decoding at spread exit depths, every launch priced flat
+    (1 ms; the coda `coda_s`): (codas launched while items were still in the loop, all codas)."""
+    from functools import partial
+
+    from infer.sim.cost import FittedCost
+    from infer.sim.latency import StageFit
+    from infer.sim.runner import SIM_EXITS, SimModel, SimRunner, binomial_depths, depths_from_distribution
+    from infer.sim.workloads import Request
+    from looplm.presets import paper_config
+    cfg = paper_config("huginn-3.5b")
+    reqs = [Request([5 + i, 6, 7, 8], 24, 4, 24) for i in range(12)]
+    cost = FittedCost({s: StageFit(s, coda_s if s == "coda" else 1e-3, 0.0, 0.0, 1.0, 1)
+                       for s in ("prefill", "prelude", "core", "coda")})
+    runner = partial(SimRunner, cost=cost, depths=depths_from_distribution(binomial_depths(cfg.r_max, 9.0), reqs, 0))
+    eng = LLMEngine(SimModel(cfg), EngineConfig(refill=refill, max_batch_size=16, kv_cache_tokens=2048, max_model_len=2048, r_min=1,
+                                                **SIM_EXITS), runner_cls=runner)
+    for r in reqs:
+        eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+    mid = codas = 0
+    while eng.has_unfinished():
+        loop = len(eng.scheduler.core_q)
+        eng.step()
+        if eng.scheduler.last_stage is Stage.CODA:
+            codas += 1
+            mid += loop > 0
+    return mid, codas
+
+
+def test_refill_auto_lets_the_loop_drain_where_a_coda_costs_more_than_waiting():
+    """refill="auto" (the default, with min_coda_batch="auto"): where a coda and its prelude cost
+    little next to holding exits back (1 ms, as a core step), exits re-enter the loop at most codas
+    (refill); where they cost 50 core steps, every coda after the first few (auto's cold start,
+    K = 1 until each stage's cost is seen) waits for the loop to drain, as a no-refill cohort's."""
+    assert EngineConfig().refill == "auto" and EngineConfig().min_coda_batch == "auto"
+    mid, codas = _codas_mid_loop("auto", 1e-3)
+    assert mid > 0.8 * codas > 20
+    mid, codas = _codas_mid_loop("auto", 5e-2)
+    assert mid <= 2 and codas > 10
+    assert _codas_mid_loop(False, 1e-3)[0] == 0  # (the cohorts themselves)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
