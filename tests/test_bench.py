@@ -295,12 +295,15 @@ def test_bench_host_vs_auto_scales_a_host_table_stage_by_stage(tmp_path):
     assert set(r) == {"prelude", "core", "coda"}
     assert all(v[key]["k1"] > 0 and v[key]["auto"] / v[key]["k1"] == pytest.approx(v[key]["ratio"])
                for v in r.values() for key in ("host_us", "pre_us"))
+    for v in r.values():  # each round's two passes paired: the median of their ratios and its interval
+        iv = v["host_us"]["paired"]
+        assert iv["rounds"] == 2 and iv["lo"] <= iv["median"] <= iv["hi"]
     for b in ("16", "64"):  # (batch 64 takes batch 16's ratios: the only ones measured)
         for k in ("prelude", "core", "coda"):
-            assert d["host_us"][b][k]["median"] == pytest.approx(10.0 * int(b) * r[k]["host_us"]["ratio"])
-            assert d["host_us"][b][k]["p90"] == pytest.approx(20.0 * int(b) * r[k]["host_us"]["ratio"])
+            assert d["host_us"][b][k]["median"] == pytest.approx(10.0 * int(b) * r[k]["host_us"]["paired"]["median"])
+            assert d["host_us"][b][k]["p90"] == pytest.approx(20.0 * int(b) * r[k]["host_us"]["paired"]["median"])
         assert d["host_us"][b]["fused"] == base["host_us"][b]["fused"]
-    assert d["pre_us"]["16"]["core"]["median"] == pytest.approx(4.0 * r["core"]["pre_us"]["ratio"])
+    assert d["pre_us"]["16"]["core"]["median"] == pytest.approx(4.0 * r["core"]["pre_us"]["paired"]["median"])
     assert d["command"] == "the base's" and d["vs_auto_command"].startswith("python -m infer.bench.host --vs-auto")
 
 

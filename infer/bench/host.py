@@ -33,6 +33,7 @@ from infer.engine.llm_engine import LLMEngine
 from infer.engine.runner import ModelRunner
 from infer.engine.sampling import SamplingParams
 from infer.engine.sequence import Stage
+from infer.sim.stats import ratio_interval
 from infer.sim.workloads import DATA, load_trace
 from looplm.presets import preset_config
 
@@ -220,7 +221,8 @@ def vs_auto(batches: list[int], steps: int, rounds: int, seed: int = 0) -> dict:
     """min_coda_batch="auto"'s host cost: the CDB stages under K=1 and under auto, passes
     interleaved (K=1, auto, auto, K=1, ...); per batch and stage, the median over passes of each
     pass's median microseconds per step (`host_us`: the whole step; `pre_us`: up to its launch) and
-    auto / K=1. The no-op model's tokens all exit at depth 2, so auto's coda decision is never asked
+    auto / K=1, with the median of the per-round ratios (each round's two passes paired) and its 95%
+    bootstrap interval (`ratio_interval`). The no-op model's tokens all exit at depth 2, so auto's coda decision is never asked
     (no core step is left when exits wait); what it adds is its per-launch bookkeeping (timing,
     `observe`) and the core step's split check (`core_batch`)."""
     out: dict = {}
@@ -239,13 +241,15 @@ def vs_auto(batches: list[int], steps: int, rounds: int, seed: int = 0) -> dict:
             e = row[stage] = {}
             for key in ("host_us", "pre_us"):
                 k1, auto = (statistics.median(got[n][key][stage]) for n in ("k1", "auto"))
-                e[key] = {"k1": k1, "auto": auto, "ratio": auto / k1}
+                iv = ratio_interval(got["auto"][key][stage], got["k1"][key][stage])  # (auto / K=1, per round)
+                e[key] = {"k1": k1, "auto": auto, "ratio": auto / k1,
+                          "paired": {q: iv[q] for q in ("median", "lo", "hi", "rounds")}}
     return out
 
 
 def onto_auto(base: dict, ratios: dict, name: str) -> dict:
     """`base` (a host table) with every CDB stage's entries x auto / K=1 as `ratios` (vs_auto)
-    measured them, the step's pre-launch tables by its pre-launch ratio: the host table a
+    measured them (the median of the paired per-round ratios), the step's pre-launch tables by its pre-launch ratio: the host table a
     simulation of min_coda_batch="auto" charges. The re-entry tables take the synchronous ratios
     (the bookkeeping is the same code on both paths)."""
     out = {**base, "vs_auto": ratios}
@@ -256,7 +260,7 @@ def onto_auto(base: dict, ratios: dict, name: str) -> dict:
             near = min(ratios, key=lambda x: abs(int(x) - int(b)))  # (the measured batch nearest)
             for stage, r in ratios[near].items():
                 if stage in row:
-                    f = r[part]["ratio"]
+                    f = r[part]["paired"]["median"]  # (robust to the machine's drift between rounds)
                     row[stage] = {**row[stage], **{q: row[stage][q] * f for q in ("median", "p90")}}
         if table:
             out[key] = table
