@@ -46,7 +46,11 @@ def _opt(cast, v):
 
 
 def _bool(v) -> bool:
-    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return str(v).lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"not a boolean: {v!r}")
 
 
 def task_manager(include_defaults: bool = False, extra_paths: list[str | Path] | None = None):
@@ -66,7 +70,11 @@ def engine_settings(args: dict[str, Any]) -> dict[str, Any]:
         if f.name in args:
             v, kind = args[f.name], f.type.split(" | ")
             # ("auto" where a setting takes it: refill, min_coda_batch; EngineConfig refuses it elsewhere)
-            out[f.name] = v if v == "auto" and "str" in kind else _opt(cast[kind[0]], v)
+            try:
+                out[f.name] = v if v == "auto" and "str" in kind else _opt(cast[kind[0]], v)
+            except ValueError:
+                raise ParamError(f.name, f"model_args {f.name}={v!r}: expected {kind[0]}"
+                                         f"{' or auto' if 'str' in kind[1:] else ''}") from None
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -216,6 +216,9 @@ def test_setting_validation_and_flag():
     from eval.lm import engine_settings
     assert engine_settings({"refill": "auto", "min_coda_batch": "auto"}) == {"refill": "auto", "min_coda_batch": "auto"}
     assert engine_settings({"refill": "false", "min_coda_batch": "4"}) == {"refill": False, "min_coda_batch": 4}
+    for k, v in (("refill", "maybe"), ("min_coda_batch", "often")):
+        with pytest.raises(ParamError, match=f"model_args {k}='{v}': expected .* or auto"):
+            engine_settings({k: v})
 
 
 def test_engine_reports_what_auto_decided():
