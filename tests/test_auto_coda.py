@@ -34,6 +34,7 @@ def test_stage_costs_interpolate_and_drop_chunk_rows_once_clean():
     assert c.predict(Stage.CORE, 64) == 4.0
     c.observe(Stage.CORE, 8, 14.0)
     assert c.predict(Stage.CORE, 8) == pytest.approx(4.0 + 0.2 * 10.0)  # moving average
+    assert c.sizes[Stage.CORE] == [2, 8]  # (the row's sizes, sorted once: the chunk row's 8 went with it)
 
 
 def test_fixed_cost_is_the_batch_independent_part():

@@ -38,6 +38,7 @@ no tensor. Scheduling never changes tokens or exit depths, so exactness is untou
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import Counter
 from typing import Callable
 
@@ -60,6 +61,7 @@ class StageCosts:
     def __init__(self):
         self.table: dict[Stage, dict[int, float]] = {}
         self.clean: set[Stage] = set()  # stages whose row holds launches without prompt chunks only
+        self.sizes: dict[Stage, list[int]] = {}  # each row's padded sizes, sorted (at() reads them at every decision)
         self._fixed: dict[Stage, float] = {}  # (fixed(), until one of the sizes it was drawn through changes)
         self._through: dict[Stage, tuple[int, ...]] = {}  # (those sizes: the row's two smallest)
 
@@ -71,18 +73,21 @@ class StageCosts:
         elif stage not in self.clean:
             self.clean.add(stage)
             self.table.pop(stage, None)
+            self.sizes.pop(stage, None)
         row = self.table.get(stage)
         if row is None:
             row = self.table[stage] = {}
         old = row.get(padded)
         row[padded] = seconds if old is None else old + EMA * (seconds - old)
+        if old is None:
+            insort(self.sizes.setdefault(stage, []), padded)
         if old is None or padded in self._through.get(stage, ()):
             self._fixed.pop(stage, None)
         return old is None
 
     def predict(self, stage: Stage, padded: int) -> float | None:
         row = self.table.get(stage)
-        return at(row, padded) if row else None
+        return at(row, padded, self.sizes[stage]) if row else None
 
     def fixed(self, stage: Stage) -> float | None:
         """The part of a launch's cost that does not grow with its batch: the line through the two
@@ -93,7 +98,7 @@ class StageCosts:
         row = self.table.get(stage)
         if not row:
             return None
-        xs = self._through[stage] = tuple(sorted(row)[:2])
+        xs = self._through[stage] = tuple(self.sizes[stage][:2])
         if len(xs) == 1:
             f = row[xs[0]]
         else:
@@ -103,18 +108,20 @@ class StageCosts:
         return f
 
 
-def at(row: dict[int, float], padded: int) -> float:
-    """A stage's row at a padded size: linear between the sizes seen, flat outside them."""
+def at(row: dict[int, float], padded: int, xs: list[int] | None = None) -> float:
+    """A stage's row at a padded size: linear between the sizes seen, flat outside them. `xs`: the
+    row's sizes sorted (StageCosts.sizes; sorted here if not given)."""
     t = row.get(padded)
     if t is not None:
         return t
-    xs = sorted(row)
-    if padded <= xs[0]:
+    if xs is None:
+        xs = sorted(row)
+    i = bisect_left(xs, padded)  # (padded is not in xs: xs[i - 1] < padded < xs[i])
+    if i == 0:
         return row[xs[0]]
-    if padded >= xs[-1]:
+    if i == len(xs):
         return row[xs[-1]]
-    hi = next(x for x in xs if x > padded)
-    lo = max(x for x in xs if x < padded)
+    lo, hi = xs[i - 1], xs[i]
     return row[lo] + (row[hi] - row[lo]) * (padded - lo) / (hi - lo)
 
 
@@ -155,10 +162,10 @@ class AutoCoda:
                 return None, n
             if not self._plans:
                 self._least = min(row.values())
-            plan = self._plans[n] = self._plan(row, n, self._least)
+            plan = self._plans[n] = self._plan(row, n, self._least, self.costs.sizes[CORE])
         return plan
 
-    def _plan(self, row: dict[int, float], n: int, least: float) -> tuple[float, int]:
+    def _plan(self, row: dict[int, float], n: int, least: float, xs: list[int]) -> tuple[float, int]:
         """core_plan's recursion, unrolled (it runs at every coda decision): plan(n) is one launch, or
         one at the padded size below plus plan(rest). Going down, each level whose piece plus the
         cheapest launch still costs less than its whole is kept; coming back up, each takes the cheaper."""
@@ -167,13 +174,13 @@ class AutoCoda:
             p = pads.get(n) or self.padded(n)
             whole = row.get(p)
             if whole is None:
-                whole = at(row, p)
+                whole = at(row, p, xs)
             a = pads.get(p // 2) or self.padded(p // 2)
             if not 0 < a < n:
                 break
             part = row.get(a)
             if part is None:
-                part = at(row, a)
+                part = at(row, a, xs)
             if part + least >= whole:  # (no plan for the rest costs less than the cheapest launch)
                 break
             kept.append((whole, part, a, n))
