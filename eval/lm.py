@@ -48,9 +48,10 @@ def _opt(cast, v):
 def _bool(v) -> bool:
     if isinstance(v, bool):
         return v
-    if str(v).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return str(v).lower() in ("1", "true", "yes", "on")
-    raise ValueError(f"not a boolean: {v!r}")
+    s = str(v).lower()
+    if s not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"not a boolean: {v!r}")
+    return s in ("1", "true", "yes", "on")
 
 
 def task_manager(include_defaults: bool = False, extra_paths: list[str | Path] | None = None):

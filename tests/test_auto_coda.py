@@ -296,8 +296,8 @@ def _codas_mid_loop(refill, coda_s: float) -> tuple[int, int]:
     cost = FittedCost({s: StageFit(s, coda_s if s == "coda" else 1e-3, 0.0, 0.0, 1.0, 1)
                        for s in ("prefill", "prelude", "core", "coda")})
     runner = partial(SimRunner, cost=cost, depths=depths_from_distribution(binomial_depths(cfg.r_max, 9.0), reqs, 0))
-    eng = LLMEngine(SimModel(cfg), EngineConfig(refill=refill, max_batch_size=16, kv_cache_tokens=2048, max_model_len=2048, r_min=1,
-                                                **SIM_EXITS), runner_cls=runner)
+    eng = LLMEngine(SimModel(cfg), EngineConfig(refill=refill, max_batch_size=16, kv_cache_tokens=2048,
+                                                max_model_len=2048, r_min=1, **SIM_EXITS), runner_cls=runner)
     for r in reqs:
         eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
     mid = codas = 0

@@ -222,9 +222,9 @@ def vs_auto(batches: list[int], steps: int, rounds: int, seed: int = 0) -> dict:
     interleaved (K=1, auto, auto, K=1, ...); per batch and stage, the median over passes of each
     pass's median microseconds per step (`host_us`: the whole step; `pre_us`: up to its launch) and
     auto / K=1, with the median of the per-round ratios (each round's two passes paired) and its 95%
-    bootstrap interval (`ratio_interval`). The no-op model's tokens all exit at depth 2, so auto's coda decision is never asked
-    (no core step is left when exits wait); what it adds is its per-launch bookkeeping (timing,
-    `observe`) and the core step's split check (`core_batch`)."""
+    bootstrap interval (`ratio_interval`). The no-op model's tokens all exit at depth 2, so auto's
+    coda decision is never asked (no core step is left when exits wait); what it adds is its
+    per-launch bookkeeping (timing, `observe`) and the core step's split check (`core_batch`)."""
     out: dict = {}
     for b in batches:
         got: dict[str, dict[str, dict[str, list[float]]]] = {"k1": {}, "auto": {}}
@@ -249,8 +249,8 @@ def vs_auto(batches: list[int], steps: int, rounds: int, seed: int = 0) -> dict:
 
 def onto_auto(base: dict, ratios: dict, name: str) -> dict:
     """`base` (a host table) with every CDB stage's entries x auto / K=1 as `ratios` (vs_auto)
-    measured them (the median of the paired per-round ratios), the step's pre-launch tables by its pre-launch ratio: the host table a
-    simulation of min_coda_batch="auto" charges. The re-entry tables take the synchronous ratios
+    measured them (the median of the paired per-round ratios), the step's pre-launch tables by its
+    pre-launch ratio: the host table a simulation of min_coda_batch="auto" charges. The re-entry tables take the synchronous ratios
     (the bookkeeping is the same code on both paths)."""
     out = {**base, "vs_auto": ratios}
     for key, part in (("host_us", "host_us"), ("host_async_us", "host_us"), ("pre_us", "pre_us"),
