@@ -17,6 +17,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from infer.engine.graphs import GraphCache
@@ -37,7 +39,11 @@ class ReplayGraphs(GraphCache):
         slots = torch.full((size,), r.scratch_slot, dtype=torch.long, device=r.device)
         if stage.reads_tokens:
             slots[size // 2:] = 0  # token ids of the padding items (as GraphCache._capture)
-        gm = make_fx(lambda inp: r.body(stage, inp, nb, r_max))(slots)
+        # one fake mode for the trace's metadata: without it make_fx ("real" mode) builds a FakeTensorMode
+        # for every value it records, each extracting the Python stack (1-2 ms at pytest's depth: most
+        # of a trace's time)
+        with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+            gm = make_fx(lambda inp: r.body(stage, inp, nb, r_max))(slots)
         out = gm(slots)  # (the capture's own run: scratch slot only, like GraphCache's warm-up)
         self.graphs[key] = (gm, None if out is None else torch.empty_like(out))
         return self.graphs[key]
