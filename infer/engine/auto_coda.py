@@ -33,8 +33,9 @@ simulator's or the emulated device's cost model; the wall clock on a CPU, where 
 synchronous), per stage and padded batch, as a moving average. Until a stage has been seen, the
 coda runs at once (K = 1). On CUDA launches are asynchronous: `LaunchTimer` puts CUDA events
 around each and reads those that are done at later steps (`query`, never a wait), and the held
-cost uses the table's prediction until then. Pure bookkeeping: no launch,
-no tensor. Scheduling never changes tokens or exit depths, so exactness is untouched.
+cost uses the table's prediction until then. The engine queues each launch (`pending`) and they are
+learned together, in order, when a decision reads the table (`catch_up`). Pure bookkeeping: no
+launch, no tensor. Scheduling never changes tokens or exit depths, so exactness is untouched.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ EMA = 0.2  # weight of a new observation in a stage's moving average
 # constant is 1 / EMA = 5 launches) and at once when a padded size is first seen: planned at every
 # launch, they cost 3 of a 25 us core step's host time (python -m infer.bench.host --vs-auto, batch 16)
 REPLAN = 8
+# the launches queued unlearned (AutoCoda.pending) are learned at the latest when this many have gathered
+CATCH_UP = 64
 CORE, CODA = Stage.CORE, Stage.CODA  # (module constants: observe runs at every launch)
 
 
@@ -141,6 +144,11 @@ class AutoCoda:
         self.k_hist: Counter[int] = Counter()  # coda batch -> codas launched with it
         self.splits = 0  # core steps split into launches at smaller padded sizes (core_plan)
         self.last: tuple | None = None  # the last decision: (exits waiting, hold, launch cost, its padding part, now?)
+        # launches not learned yet, oldest first, as observe's arguments: LLMEngine._timed appends one per
+        # launch (at most CATCH_UP), and catch_up learns them when a decision reads what they change (held,
+        # the table). Learned one by one at their launches they cost ~2 us of a 26 us host step at batch 16,
+        # together about a third of that (python -m infer.bench.host --vs-auto: the step's cache stays warm)
+        self.pending: list[tuple[Stage, int, float | None, int, int, bool]] = []
 
     def padded(self, n: int) -> int:
         p = self._pads.get(n)
@@ -192,10 +200,15 @@ class AutoCoda:
         return cost, first
 
     def core_batch(self, n: int) -> int:
-        """How many of the `n` core items the next core launch takes (core_plan)."""
+        """How many of the `n` core items the next core launch takes (core_plan). Planned again with
+        the launches learned (catch_up) for an item count not planned yet, or once REPLAN launches
+        wait to be learned: a plan is at most that many launches older than the table's news."""
         a = self._firsts.get(n)
-        if a is None:
-            a = self._firsts[n] = self.core_plan(n)[1]
+        if a is None or len(self.pending) >= REPLAN:
+            self.catch_up()
+            a = self._firsts.get(n)  # (learning may have cleared it)
+            if a is None:
+                a = self._firsts[n] = self.core_plan(n)[1]
         if a < n:
             self.splits += 1
         return a
@@ -204,6 +217,7 @@ class AutoCoda:
         """Launch the coda of the `exits` waiting now, rather than one more core launch over (the
         first of) `in_loop` items first? `idle` of the `slots` running sequences wait on it
         (Scheduler.idle)."""
+        self.catch_up()
         step, first = self.core_plan(in_loop)  # (stepping the loop once; its next launch's items)
         core = step if first == in_loop else self.costs.predict(Stage.CORE, self.padded(first))
         # what merging two codas (and their preludes) saves: the part of their cost that does not
@@ -232,7 +246,21 @@ class AutoCoda:
     def observe(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int,
                 chunks: bool = False) -> None:
         """A launch of `batch` decode items (and prompt chunks, if `chunks`) took `seconds` (None:
-        not known); `idle` of `slots` waited through it (coda_now)."""
+        not known); `idle` of `slots` waited through it (coda_now). Learned now, after the launches
+        pending (the engine queues its launches there instead: catch_up)."""
+        self.catch_up()
+        self._observe(stage, batch, seconds, idle, slots, chunks)
+
+    def catch_up(self) -> None:
+        """Learn the launches pending, in launch order."""
+        p = self.pending
+        if p:
+            for launch in p:
+                self._observe(*launch)
+            p.clear()  # (in place: the engine keeps appending to this list)
+
+    def _observe(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int,
+                 chunks: bool) -> None:
         if stage is CODA:
             self.k_hist[batch] += 1
             self.held = 0.0
@@ -261,6 +289,7 @@ class AutoCoda:
 
     def describe(self) -> dict:
         """The K chosen over time (coda batch histogram) and why (the last decision's costs)."""
+        self.catch_up()
         n = sum(self.k_hist.values())
         return {"codas": n, "mean_k": sum(k * c for k, c in self.k_hist.items()) / n if n else None,
                 "k_hist": dict(sorted(self.k_hist.items())), "split_core_steps": self.splits,

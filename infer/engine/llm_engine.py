@@ -18,7 +18,7 @@ from looplm.errors import ParamError
 from looplm.model import LoopedLM
 from looplm.policy import ExitTracker
 
-from .auto_coda import AutoCoda, LaunchTimer
+from .auto_coda import CATCH_UP, AutoCoda, LaunchTimer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
@@ -251,22 +251,38 @@ class LLMEngine:
     def _timed(self, work: Work):
         """A launch whose cost min_coda_batch="auto" learns (auto_coda.py): a virtual runner's priced
         seconds; on a CPU the wall clock (launches are synchronous); on CUDA its events, read once
-        done at a later step (LaunchTimer)."""
-        sch, timer = self.scheduler, self._launch_timer
-        idle, slots = sch.idle()
-        chunks = bool(work.chunks)
-        if timer is not None:
-            for stage, n, ch, secs in timer.done():
-                sch.auto.learn(stage, n, secs, ch)
-            ev = timer.start()
+        done at a later step (LaunchTimer). Queued (AutoCoda.pending) with the exits that waited
+        through it and the running sequences (Scheduler.idle, inline: this runs at every launch)."""
+        sch = self.scheduler
+        idle = len(sch.coda_q)
+        slots = sch.num_running if idle else 0
+        if self._launch_timer is not None:
+            return self._timed_cuda(work, idle, slots)
         t0 = time.perf_counter()
         out = self._run(work)
-        if timer is not None:
-            timer.stop(ev, work.stage, len(work.seqs), chunks)
-            secs = None
-        else:
-            secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
-        sch.auto.observe(work.stage, len(work.seqs), secs, idle, slots, chunks)
+        secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
+        pending = sch.auto.pending  # (learned when a decision reads the table: AutoCoda.catch_up)
+        pending.append((work.stage, len(work.seqs), secs, idle, slots, bool(work.chunks)))
+        if len(pending) >= CATCH_UP:
+            sch.auto.catch_up()
+        return out
+
+    def _timed_cuda(self, work: Work, idle: int, slots: int):
+        """_timed on CUDA: the launches whose events are done are learned first (after those queued
+        before them: the table learns in launch order); this one's seconds come at a later step."""
+        auto, timer = self.scheduler.auto, self._launch_timer
+        done = timer.done()
+        if done:
+            auto.catch_up()
+            for stage, n, ch, secs in done:
+                auto.learn(stage, n, secs, ch)
+        ev = timer.start()
+        out = self._run(work)
+        chunks = bool(work.chunks)
+        timer.stop(ev, work.stage, len(work.seqs), chunks)
+        auto.pending.append((work.stage, len(work.seqs), None, idle, slots, chunks))
+        if len(auto.pending) >= CATCH_UP:
+            auto.catch_up()
         return out
 
     def _run(self, work: Work):

@@ -228,7 +228,8 @@ class Scheduler:
     def idle(self) -> tuple[int, int]:
         """(min_coda_batch="auto") The exits waiting for a coda, and the running sequences. (Waiting
         requests are not counted: most wait for KV memory, which an earlier coda does not free.)
-        With no exit waiting the running count is not needed (0): it runs at every launch."""
+        With no exit waiting the running count is not needed (0). (LLMEngine._timed reads the same
+        two at every launch, inline.)"""
         n = len(self.coda_q)
         return n, self.num_running if n else 0
 
