@@ -224,7 +224,8 @@ def vs_auto(batches: list[int], steps: int, rounds: int, seed: int = 0) -> dict:
     auto / K=1, with the median of the per-round ratios (each round's two passes paired) and its 95%
     bootstrap interval (`ratio_interval`). The no-op model's tokens all exit at depth 2, so auto's
     coda decision is never asked (no core step is left when exits wait); what it adds is its
-    per-launch bookkeeping (timing, `observe`) and the core step's split check (`core_batch`)."""
+    per-launch bookkeeping (timing, the queued launch and its learning: `AutoCoda.catch_up`) and the
+    core step's split check (`core_batch`)."""
     out: dict = {}
     for b in batches:
         got: dict[str, dict[str, dict[str, list[float]]]] = {"k1": {}, "auto": {}}

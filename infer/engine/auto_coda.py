@@ -47,12 +47,13 @@ from .sequence import Stage
 
 EMA = 0.2  # weight of a new observation in a stage's moving average
 # core_batch's splits follow the core row every REPLAN core launches (the moving average's time
-# constant is 1 / EMA = 5 launches) and at once when a padded size is first seen: planned at every
-# launch, they cost 3 of a 25 us core step's host time (python -m infer.bench.host --vs-auto, batch 16)
+# constant is 1 / EMA = 5 launches) and when a padded size is first seen, once that launch is learned
+# (at most REPLAN launches queued later: core_batch): planned at every launch, they cost 3 of a 25 us
+# core step's host time (python -m infer.bench.host --vs-auto, batch 16)
 REPLAN = 8
 # the launches queued unlearned (AutoCoda.pending) are learned at the latest when this many have gathered
 CATCH_UP = 64
-CORE, CODA = Stage.CORE, Stage.CODA  # (module constants: observe runs at every launch)
+CORE, CODA = Stage.CORE, Stage.CODA  # (module constants: _observe runs for every launch)
 
 
 class StageCosts:

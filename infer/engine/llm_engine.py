@@ -257,19 +257,20 @@ class LLMEngine:
         idle = len(sch.coda_q)
         slots = sch.num_running if idle else 0
         if self._launch_timer is not None:
-            return self._timed_cuda(work, idle, slots)
-        t0 = time.perf_counter()
-        out = self._run(work)
-        secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
+            out, secs = self._timed_cuda(work), None
+        else:
+            t0 = time.perf_counter()
+            out = self._run(work)
+            secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
         pending = sch.auto.pending  # (learned when a decision reads the table: AutoCoda.catch_up)
         pending.append((work.stage, len(work.seqs), secs, idle, slots, bool(work.chunks)))
         if len(pending) >= CATCH_UP:
             sch.auto.catch_up()
         return out
 
-    def _timed_cuda(self, work: Work, idle: int, slots: int):
-        """_timed on CUDA: the launches whose events are done are learned first (after those queued
-        before them: the table learns in launch order); this one's seconds come at a later step."""
+    def _timed_cuda(self, work: Work):
+        """The launch between two CUDA events; the launches whose events are done are learned first
+        (after those queued before them: the table learns in launch order)."""
         auto, timer = self.scheduler.auto, self._launch_timer
         done = timer.done()
         if done:
@@ -278,11 +279,7 @@ class LLMEngine:
                 auto.learn(stage, n, secs, ch)
         ev = timer.start()
         out = self._run(work)
-        chunks = bool(work.chunks)
-        timer.stop(ev, work.stage, len(work.seqs), chunks)
-        auto.pending.append((work.stage, len(work.seqs), None, idle, slots, chunks))
-        if len(auto.pending) >= CATCH_UP:
-            auto.catch_up()
+        timer.stop(ev, work.stage, len(work.seqs), bool(work.chunks))
         return out
 
     def _run(self, work: Work):
