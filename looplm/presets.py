@@ -60,7 +60,8 @@ def paper_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | to
 
 def dummy_model(cfg: LoopConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoopedLM:
     """Random weights (torch's default init, seed 0) for any config, built directly in `dtype` on
-    `device` (no float32 copy of a billion-parameter model first): vLLM's load_format="dummy"."""
+    `device` (no float32 copy of a billion-parameter model first): vLLM's load_format="dummy", frozen
+    as vLLM's loaders leave a model (nothing records autograd on it)."""
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -69,7 +70,7 @@ def dummy_model(cfg: LoopConfig, dtype: torch.dtype = torch.bfloat16, device: st
             model = build_model(cfg)
     finally:
         torch.set_default_dtype(old)
-    return model.to(dtype).eval()
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def preset_config(name: str, **overrides) -> LoopConfig:

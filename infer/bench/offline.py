@@ -340,7 +340,7 @@ def throughput(model, *, policy="cdb", refill=True, min_coda_batch=1, kv_layout=
             "engine_config": raw["engine_config"]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ouro-tiny", help="checkpoint folder or preset name (ouro-tiny, huginn-tiny)")
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
@@ -379,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     # the modes set policy / refill / min_coda_batch / full_depth; a CPU-sized batch by default
     add_engine_args(p, skip=("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed"))
     p.set_defaults(max_batch_size=32)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     a = p.parse_args(argv)
     scale = a.scale if a.scale == "auto" else float(a.scale)
 

@@ -25,6 +25,7 @@ POLICIES = ("cb", "cdb")
 CPU_KV_MEMORY = 512 * 2**20  # bytes of KV pool + state slots on a CPU when no pool size is given
 PREFILL_MODES = ("mixed", "separate")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("paged", "sdpa")
 
 
 def _f(default, help: str):
@@ -82,6 +83,11 @@ class EngineConfig:
     full_depth: bool = _f(False, "disable exits (resolved: also True under a full-depth layout and policy cb)")
     pad_pow2: bool = _f(True, "pad decode batches to powers of two (static shapes for CUDA graphs)")
     cuda_graphs: bool | None = _f(None, "CUDA graphs for decode stages; default: on for CUDA devices")
+    attention_backend: str | None = _f(None, "decode attention (vLLM's name): paged (FlexAttention over each item's own "
+                                             "KV blocks, compiled on CUDA) or sdpa (gather every context to the "
+                                             "batch's longest, then SDPA); default: paged on CUDA, sdpa elsewhere "
+                                             "(eager FlexAttention on a CPU materialises its scores). Launches that "
+                                             "carry prompt chunks and speculative stages gather either way")
     pipeline: bool | None = _f(None, "lookahead pipeline (launch step t before reading t-1's scores); default: "
                                      "on for CUDA with lookahead")
     async_scheduling: bool | None = _f(None, "on-device token re-entry (vLLM's name): a stage's sampled ids feed the "
@@ -120,6 +126,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ParamError("scheduling_policy", f"unknown scheduling_policy {self.scheduling_policy!r}; supported: "
                                                   f"{SCHEDULING_POLICIES}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ParamError("attention_backend", f"unknown attention_backend {self.attention_backend!r}; supported: "
+                                                  f"{ATTENTION_BACKENDS}")
         if self.prefill not in PREFILL_MODES:
             raise ParamError("prefill", f"unknown prefill {self.prefill!r}; supported: {PREFILL_MODES}")
         check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
@@ -207,6 +216,7 @@ class EngineConfig:
             chunked_prefill=_default(self.chunked_prefill, depth_exact and self.prefill == "mixed"),
             enable_prefix_caching=_default(self.enable_prefix_caching, depth_exact and self.prefill == "mixed"),
             cuda_graphs=_default(self.cuda_graphs, on_cuda),
+            attention_backend=self.attention_backend or ("paged" if on_cuda else "sdpa"),
             **self.overlap(on_cuda, pol.lookahead),
             kv_cache_memory=self.kv_cache_memory or (CPU_KV_MEMORY if no_pool and not on_cuda else None))
 
@@ -290,7 +300,7 @@ def _kv_layout_arg(name: str) -> str:
 
 
 _CHOICES = {"policy": POLICIES, "prefill": PREFILL_MODES, "exit_criterion": CRITERIA,
-            "scheduling_policy": SCHEDULING_POLICIES}
+            "scheduling_policy": SCHEDULING_POLICIES, "attention_backend": ATTENTION_BACKENDS}
 _TYPES = {"str": str, "int": int, "float": float}
 def coda_batch_arg(v: str) -> int | str:
     """argparse type of --min-coda-batch: an integer, or auto."""

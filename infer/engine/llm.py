@@ -38,6 +38,14 @@ def add_load_args(parser, group=None) -> None:
 
 def load_model(model: str | Path | LoopedLM, dtype="float32", device="cpu", r_max: int | None = None,
                load_format: str = "auto", layer_split: str | None = None):
+    """`_load`, with the weights frozen (vLLM's loaders do the same): the engine never trains, and a
+    weight that requires grad makes every op on it record autograd (graphs.py; a LoopedLM handed in
+    is frozen in place: the engine owns it from then on)."""
+    m, tok = _load(model, dtype, device, r_max, load_format, layer_split)
+    return m.requires_grad_(False), tok
+
+
+def _load(model: str | Path | LoopedLM, dtype, device, r_max: int | None, load_format: str, layer_split: str | None):
     """(model, tokenizer or None) from a checkpoint folder / hub id, a tiny preset name (random
     weights: tests and demos), one of the paper's model shapes ("ouro-1.4b", "huginn-3.5b" and their
     fewer-layer variants: random weights), or a LoopedLM. `load_format="dummy"` (vLLM's name): a

@@ -101,7 +101,8 @@ class LLMEngine:
         self.scheduler = Scheduler(c, self.blocks, c.max_model_len, c.pipeline, c.swap_space // self.block_bytes,
                                    r_full=cfg.r_max)
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
-                                                          c.pad_pow2, c.max_batch_size, cuda_graphs=c.cuda_graphs)
+                                                          c.pad_pow2, c.max_batch_size, cuda_graphs=c.cuda_graphs,
+                                                          attention_backend=c.attention_backend)
         self._launch_timer: LaunchTimer | None = None
         self._virtual = self.runner.clock is not None  # the simulator's or the emulated device's runner
         if c.min_coda_batch == "auto" and c.policy == "cdb" and c.refill:

@@ -19,7 +19,6 @@ device still runs this one (the lookahead pipeline).
 """
 from __future__ import annotations
 
-import weakref
 from functools import partial
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -32,7 +31,7 @@ from looplm.model import LoopedLM
 from . import mixed, speculative, stages
 from .batch_state import BatchState, padded_batch
 from .block_manager import BlockManager
-from .graphs import GraphCache
+from . import graphs as graph_cache
 from .scheduler import Scores, SwapOp, Work
 from .swap import swap_ops
 from .sequence import Sequence, Stage
@@ -111,7 +110,8 @@ class PendingScores:
 
 class ModelRunner:
     def __init__(self, model: LoopedLM, kv_layout: str, blocks: BlockManager, criterion: str,
-                 pad_pow2: bool = True, max_batch_size: int = 64, cuda_graphs: bool = False):
+                 pad_pow2: bool = True, max_batch_size: int = 64, cuda_graphs: bool = False,
+                 attention_backend: str = "sdpa"):
         self.model, self.cfg, self.blocks, self.criterion = model, model.cfg, blocks, criterion
         self.device, self.dtype = model.device, model.dtype
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
@@ -124,17 +124,17 @@ class ModelRunner:
         self.rule = score_rule(criterion, self.cfg)  # the score arithmetic (lookahead head: its teacher's)
         self.preloop = criterion == "preloop"
         self.aux = initial_aux(self.rule, S, self.cfg.vocab_size, self.device)
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError("cuda_graphs needs a CUDA device")
-        # (no reference cycle anywhere in the runner: the graph cache holds a weak proxy of it, the stage
-        # tables below are of method names and BatchState gets a plain function, so a dropped engine
-        # frees its KV pool at once, not at the cyclic GC's next pass; tests/test_gpu_discipline.py)
-        self.graphs = GraphCache(weakref.proxy(self)) if cuda_graphs else None
         # the per-slot decode metadata (positions, loop steps, block tables) and the upload
         self.batch_state = bs = BatchState(S, blocks.block_size, self.cfg.max_position, blocks.num_blocks,
                                            self.layout.scratch_row,
                                            partial(padded_batch, max_batch_size=max_batch_size, pad_pow2=pad_pow2),
                                            self.device)
+        # (no reference cycle anywhere in the runner: the graph cache holds a weak proxy of it, the stage
+        # tables below are of method names and BatchState gets a plain function, so a dropped engine
+        # frees its KV pool at once, not at the cyclic GC's next pass; tests/test_gpu_discipline.py)
+        self.graphs = graph_cache.make_graphs(self, self.device, cuda_graphs)
+        if attention_backend == "paged":  # before any capture: the graphs the engine captures at start-up run paged
+            self.enable_paged()
         self.step = bs.step  # the loop step of each slot (the bodies write it)
         self._t = bs.to_device
         # mixed prefill: the loop state of each prompt chunk in flight between its launches, and the
@@ -185,10 +185,11 @@ class ModelRunner:
 
     def enable_paged(self, compile: bool | None = None) -> dict | None:
         """Switch decode attention to paged FlexAttention (compiled on CUDA unless `compile` is
-        False). Block tables already on the device get their inverse page table rebuilt. CUDA graphs
-        captured before (the engine captures them at construction, with the gather + SDPA path in
-        them) are captured again, so that replays run paged; returns that capture's count and
-        seconds (GraphCache.capture), None when there was none."""
+        False): EngineConfig.attention_backend="paged" (the CUDA default) calls it at construction,
+        before the engine captures its graphs. Block tables already on the device get their inverse
+        page table rebuilt. CUDA graphs captured before (through the gather + SDPA path) are captured
+        again, so that replays run paged; returns that capture's count and seconds
+        (GraphCache.capture), None when there was none."""
         bs = self.batch_state
         bs.paged = True
         if compile if compile is not None else self.device.type == "cuda":
@@ -203,14 +204,9 @@ class ModelRunner:
         if graphs is None or not graphs.graphs:
             return None
         # a captured graph replays the attention it was captured with: drop them all (and their memory
-        # pool) and capture the same keys again, now through the paged path. In inference mode, as the
-        # captures that run() makes: flex_attention refuses inputs that require grad (on CPU), and a
-        # compiled one guards on the grad mode, so another mode would cost every shape a second entry
-        keys = list(graphs.graphs)
-        graphs.graphs.clear()
-        graphs.pool = None
-        with torch.inference_mode():
-            return graphs.capture(keys)
+        # pool) and capture the same keys again, now through the paged path (in inference mode, as every
+        # capture: graphs.py; a compiled flex_attention also guards on the grad mode)
+        return graphs.capture(graphs.clear())
 
     # ------------------------------------------------------------------ stage bodies
     def body(self, stage: Stage, inp: torch.Tensor, nb: int, r_max: int = 0) -> torch.Tensor | None:

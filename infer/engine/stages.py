@@ -19,6 +19,7 @@ depths. Attention writes each token's K/V into the KV layout first, then reads:
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -333,16 +334,38 @@ def compile_paged_flex(num_shapes: int, backend: str = "inductor"):
 
     - dynamic=False: flex-decoding needs static batch and head sizes (flex_decoding.py:53-54) and
       sizes its query tile from the query length (:279-291); each shape is one compiled kernel.
-    - recompile_limit=num_shapes: Dynamo keeps 8 compiled entries per code object by default
-      (torch/_dynamo/config.py:121) and past them runs the frame uncompiled (convert_frame.py:1986-2039,
-      RUN_ONLY), i.e. eager flex_attention, which materialises [depth slots, H, N, R] scores over the
-      whole KV storage: slow at best, out of memory at worst, with one log line.
+    - a recompile limit of at least num_shapes: Dynamo keeps 8 compiled entries per code object by
+      default (torch/_dynamo/config.py:121) and past them runs the frame uncompiled
+      (convert_frame.py:1986-2039, RUN_ONLY), i.e. eager flex_attention, which materialises
+      [depth slots, H, N, R] scores over the whole KV storage: slow at best, out of memory at worst,
+      with one log line.
     - fullgraph=True: at the limit Dynamo raises FailOnRecompileLimitHit instead of running eagerly
       (convert_frame.py:2030-2033), so a shape this count missed fails loudly.
-    - isolate_recompiles=True: the count is this runner's own; without it every torch.compile of
-      flex_attention in the process (other engines, other code) shares one list of entries
-      (torch/__init__.py:2718-2732). Dynamo's global cap, accumulated_recompile_limit (256 entries of
-      the code object over all regions: _dynamo/cache_size.py:100-103), still applies, also loudly."""
+    - the count is this runner's own where torch.compile takes `recompile_limit=` and
+      `isolate_recompiles=` (torch 2.13); without them every torch.compile of flex_attention in the
+      process shares one list of entries (torch/__init__.py:2718-2732), so `_recompile_options`
+      raises the process-wide limit by this runner's shapes instead (torch 2.11, the GPU hosts' torch:
+      neither keyword exists there, and passing them raises TypeError). Dynamo's global cap,
+      accumulated_recompile_limit (256 entries of the code object over all regions:
+      _dynamo/cache_size.py:100-103), still applies, also loudly."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True, recompile_limit=num_shapes,
-                         isolate_recompiles=True, backend=backend)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True, backend=backend,
+                         **_recompile_options(num_shapes))
+
+
+def _recompile_options(num_shapes: int) -> dict:
+    """torch.compile's keywords for a per-runner recompile budget where this torch has them (feature
+    detection, not a version number); else the process-wide limits raised to make room."""
+    accepted = inspect.signature(torch.compile).parameters
+    if "recompile_limit" in accepted and "isolate_recompiles" in accepted:
+        return {"recompile_limit": num_shapes, "isolate_recompiles": True}
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (the name before 2.6)
+    # shared with every other compile of flex_attention in the process (another engine's, say): this
+    # runner's shapes come on top of what is there
+    setattr(cfg, name, getattr(cfg, name) + num_shapes)
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, getattr(cfg, name))
+    elif hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, getattr(cfg, name))
+    return {}

@@ -120,7 +120,8 @@ def sweep(model, batch_sizes: list[int], contexts: list[int], repeats: int = 5, 
     nblocks = max(b * (-(-(c + repeats + 1) // block_size)) for c, b, _ in points) + 1
     bm = BlockManager(nblocks, block_size, maxb)
     policy = ec.exit_policy(cfg)
-    runner = ModelRunner(model, ec.kv_layout, bm, policy.criterion, ec.pad_pow2, maxb, cuda_graphs=ec.cuda_graphs)
+    runner = ModelRunner(model, ec.kv_layout, bm, policy.criterion, ec.pad_pow2, maxb, cuda_graphs=ec.cuda_graphs,
+                         attention_backend=ec.attention_backend)
     rows = []
     for ctx, b, stage in points:
         seqs = []
