@@ -2,7 +2,11 @@
 
     python -m infer.sim --model ouro-1.4b --workloads alpaca sharegpt arxiv --ks 1 4 16 --out outputs/sim
 
-The output is the offline benchmark's JSON (python -m infer.bench), with virtual seconds.
+The output is the offline benchmark's JSON (python -m infer.bench), with virtual seconds. Each launch
+is also charged the host's cost of issuing it (infer/sim/dispatch.py: --op-us per eager aten op, the
+ops counted from the engine, --replay-us per CUDA graph replay, or --dispatch-json); each mode's
+result has `dispatch_s` (host seconds charged for it) and `eager_ops`. Decode attention is priced as
+the engine's CUDA default, the paged kernel (--attention).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from looplm.presets import PAPER_MODELS
 
 from . import replay as RP
 from .cost import DEVICES, HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from .dispatch import OP_US, REPLAY_US, Dispatch
 from .emulated import emulated_config
 from .report import format_table, plot
 from .runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
@@ -52,9 +57,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-json", type=Path, default=HOST_JSON if HOST_JSON.exists() else None,
                    help="per-stage host time measured by python -m infer.bench.host (default: "
                         f"{HOST_JSON} when it exists); 'none' for the constant --overhead-us")
-    p.add_argument("--attention", default="sdpa", choices=("context", "paged", "sdpa"),
-                   help="decode attention's KV reads: the engine's SDPA gather (CUDA path today), a paged "
-                        "kernel, or the ideal real context")
+    p.add_argument("--attention", default="paged", choices=("context", "paged", "sdpa"),
+                   help="decode attention's KV reads: a paged kernel over the block tables (default: the engine's "
+                        "CUDA default, EngineConfig.attention_backend), the SDPA gather to the longest context (the "
+                        "engine's CPU path), or the ideal real context")
+    p.add_argument("--op-us", type=float, default=None,
+                   help=f"host microseconds per aten op of an eager launch (a launch carrying prompt chunks, a prefill, "
+                        f"speculation; every launch with --no-cuda-graphs), ops counted from the engine "
+                        f"(infer/sim/dispatch.py); 0 turns the charge off (default: --dispatch-json's, else {OP_US:g})")
+    p.add_argument("--replay-us", type=float, default=None,
+                   help=f"host microseconds per CUDA graph replay (a decode-only launch) (default: --dispatch-json's, "
+                        f"else {REPLAY_US:g}, an assumption until scripts/gpu_check.py measures it)")
+    p.add_argument("--dispatch-json", type=Path, default=None, metavar="FILE",
+                   help="op_us and replay_us from a JSON's top-level {\"dispatch\": {\"op_us\": ..., \"replay_us\": ...}} "
+                        "(scripts/gpu_check.py's); --op-us / --replay-us given explicitly win")
     p.add_argument("--serial-host", action="store_true",
                    help="charge each launch's host time and device time in series (the simulator before on-device "
                         "token re-entry); default: the host works beside the device and waits only where the engine "
@@ -79,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(p, skip=SIM_SKIPPED)
     p.set_defaults(max_batch_size=64)
     a = p.parse_args(argv)
+    dispatch = (Dispatch.from_json(a.dispatch_json, a.op_us, a.replay_us) if a.dispatch_json is not None else
+                Dispatch(OP_US if a.op_us is None else a.op_us, REPLAY_US if a.replay_us is None else a.replay_us,
+                         "flags" if a.op_us is not None or a.replay_us is not None else "defaults"))
     a.out.mkdir(parents=True, exist_ok=True)
     if a.fitted is not None:
         blocks = replay_fitted(a.fitted, None if a.model == "ouro-1.4b" else a.model, a.layer_split)
@@ -107,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     name = a.model if a.model in PAPER_MODELS else Path(a.model).name
     label = f"{name} split {split_of(cfg)}" if a.layer_split else name  # how outputs name the model
     engine = engine_kwargs_from_args(a)
+    # CUDA graphs: which launches replay one (default on, as on CUDA); the engine runs on a CPU SimModel
+    graphs = engine.pop("cuda_graphs", None) is not False
     layout = EngineConfig(**engine).resolve(cfg).kv_layout  # the cost model prices the layout the engine runs
     engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout, memory=gpu["memory"]))
     ctx = served_context(cfg, engine)
@@ -121,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     probs = binomial_depths(cfg.r_max, mean)
     host = HostCost.from_json(a.host_json) if a.host_json is not None and str(a.host_json) != "none" else None
     cost = RooflineCost(cfg, bandwidth=gpu["bandwidth"], peak_flops=gpu["peak_flops"], overhead=a.overhead_us * 1e-6,
-                        kv_layout=layout, host=host, attention=a.attention)
+                        kv_layout=layout, host=host, attention=a.attention, dispatch=dispatch)
     if a.speculative_tokens:
         if a.acceptance is None:
             p.error("--speculative-tokens needs --acceptance FILE_OR_RATE (the drafts' acceptance rate)")
@@ -130,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         for w in workloads:
             reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx, vocab_size=cfg.vocab_size)
             rows = speculation_projection(cfg, reqs, cost, depths_from_distribution(probs, reqs, a.seed), a.batches,
-                                          rate, engine, a.seed)
+                                          rate, {**engine, "cuda_graphs": graphs}, a.seed)
             out.append({"workload": w, "rows": rows})
             for r in rows:
                 print(f"{label} {w:9s} batch {r['batch']:3d}: tokens/s {r['off']['output_tokens_per_s']:9.1f} -> "
@@ -140,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"tokens/verification {r['on']['speculative']['tokens_per_verification']:.2f}")
         path = a.out / f"sim_spec_{name}_k{a.speculative_tokens}_a{rate:.2f}.json"
         path.write_text(json.dumps({"model": a.model, "gpu": a.gpu, "acceptance": rate, "acceptance_arg": a.acceptance,
-                                    "engine": engine, "mean_exit_depth_assumed": mean, "num_requests": a.num_requests,
+                                    "engine": engine, "attention": a.attention, "dispatch": dispatch.describe(),
+                                    "cuda_graphs": graphs, "mean_exit_depth_assumed": mean, "num_requests": a.num_requests,
                                     "simulated": True, "workloads": out,
                                     "command": "python -m infer.sim " + " ".join(argv if argv is not None else
                                                                                  sys.argv[1:])},
@@ -156,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
             reqs = make_requests(w, a.num_requests, seed=a.seed, scale=1.0, max_model_len=ctx,
                                  vocab_size=cfg.vocab_size)
             depths = depths_from_distribution(probs, reqs, a.seed)
-        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, overlap=not a.serial_host, **engine)
+        blk = simulate(cfg, reqs, cost, depths, modes_for(a.ks), workload=w, overlap=not a.serial_host,
+                       cuda_graphs=graphs, **engine)
         if replay is not None:
             blk["replayed_exits"] = {"file": str(a.replay_exits), "model": replay["model"], "policy": {
                 "criterion": pol.criterion, "threshold": pol.threshold, "r_min": pol.r_min, "lookahead": pol.lookahead}}
@@ -166,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             "cost_model": "roofline", "bandwidth": cost.bandwidth,
             "peak_flops": cost.peak_flops, "overhead_s": None if host else cost.overhead,
             "host_json": str(a.host_json) if host else None, "attention": a.attention, "engine": engine,
+            "dispatch": dispatch.describe(), "cuda_graphs": graphs,
             "host_overlap": not a.serial_host, "num_requests": a.num_requests,
             "exit_depth_distribution": None if replay else probs, "mean_exit_depth_assumed": None if replay else mean,
             "replay_exits": str(a.replay_exits) if replay else None, "pooled": a.pool, "simulated": True,

@@ -15,6 +15,7 @@ from kv_layouts import DEFAULT_LAYOUT, layout_class
 from looplm.config import LoopConfig
 
 from . import bounds as B
+from .dispatch import Dispatch
 from .latency import StageFit
 
 # The host benchmark's JSON (python -m infer.bench.host --out ...): the default per-stage overhead.
@@ -126,7 +127,8 @@ class RooflineCost:
     context), "paged" whole blocks of each context (a paged kernel over the block tables), "sdpa"
     the gather to the batch's longest (bucketed) context, written once and read twice (gather,
     then attention over the copy). FLOPs: infer/sim/bounds.py counts x the padded batch. Defaults:
-    H100 SXM, bf16."""
+    H100 SXM, bf16. `dispatch`: the host's cost of issuing each launch (eager ops or a graph
+    replay), which SimRunner charges beside these seconds (None: not charged)."""
     cfg: LoopConfig
     bandwidth: float = 3.35e12  # bytes/s
     peak_flops: float = 989e12  # dense bf16
@@ -135,6 +137,8 @@ class RooflineCost:
     kv_layout: str = DEFAULT_LAYOUT
     host: HostCost | None = None
     attention: str = "context"
+    # what issuing a launch costs the host (dispatch.py; SimRunner charges it); None: not charged
+    dispatch: Dispatch | None = None
     params: dict = field(init=False)
 
     def __post_init__(self):

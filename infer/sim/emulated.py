@@ -16,8 +16,12 @@ exist (the engine's model is the simulator's `SimModel`: a config, no parameters
     python -m infer.bench.online --model ouro-1.4b --device emulated:h100 --rates 2,4,8
 
 Settings: the KV pool is what the emulated GPU holds beside the bf16 weights (`h100_kv_tokens`);
-the engine runs its CPU path (no CUDA graphs, no lookahead pipeline). Lookahead exits start at
-depth 2, so r_min defaults to 2 with --lookahead, else 1.
+the engine runs its CPU path (no lookahead pipeline, no on-device token re-entry). Lookahead exits
+start at depth 2, so r_min defaults to 2 with --lookahead, else 1. Dispatch (issue 62,
+dispatch.py) is priced as on the GPU: each launch is charged the host's cost of issuing it, as in
+the simulator (SimRunner), with decode-only launches replaying CUDA graphs unless `cuda_graphs` is
+False (the CUDA default; the engine itself, on the CPU, runs none: `emulated_settings` takes the
+setting out of its config).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from looplm.policy import ExitPolicy
 
 from . import replay as RP
 from .cost import DEVICES, HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from .dispatch import Dispatch
 from .runner import ASSUMED_MEAN_DEPTH, SIM_EXITS, SimModel, SimRunner, binomial_depths
 from .workloads import FIRST_ID
 
@@ -196,7 +201,8 @@ class EmulatedRunner(SimRunner):
 
     def describe(self) -> dict:
         """What the emulated device did so far: predicted (the GPU's, not slowed) and slept seconds."""
-        return {**self.device_info, "predicted_seconds": self.clock, "slept_seconds": self.waited}
+        return {**self.device_info, "predicted_seconds": self.clock, "slept_seconds": self.waited,
+                "dispatched": self.dispatch_stats()}
 
 
 class _Last(list):
@@ -234,7 +240,7 @@ def emulated_settings(cfg: LoopConfig, engine: dict, memory: float) -> dict:
         if engine.get(k) is not None:
             raise ParamError(k, f"the emulated device decides exits from --mean-depth or --replay-exits; drop "
                                 f"--{k.replace('_', '-')}")
-    kw = {**engine, **SIM_EXITS}
+    kw = {k: v for k, v in {**engine, **SIM_EXITS}.items() if k != "cuda_graphs"}  # (the runner's: emulated_engine)
     if kw.get("r_min") is None:
         kw["r_min"] = 2 if kw.get("lookahead") else 1
     layout = EngineConfig(**kw).resolve(cfg).kv_layout
@@ -272,10 +278,13 @@ def depth_source(cfg: LoopConfig, *, mean_depth: float | None = None, replay_exi
 def emulated_engine(model: str | Path, device: str, engine: dict | None = None, *, mean_depth: float | None = None,
                     replay_exits: Path | None = None, replay_workload: str | None = None, seed: int = 0,
                     layer_split: str | None = None, host_json: Path | None = HOST_JSON, attention: str = "sdpa",
-                    by_index: bool = False, trace: bool = False, slowdown: float | None = None) -> LLMEngine:
+                    by_index: bool = False, trace: bool = False, slowdown: float | None = None,
+                    dispatch: Dispatch | bool = True) -> LLMEngine:
     """An LLMEngine on the emulated `device` ("emulated:h100") for `model` (module docstring);
-    `engine`: EngineConfig fields; `slowdown`: the wall clock runs that many times slower than the
-    device's. Its runner's `device_info` says what is emulated."""
+    `engine`: EngineConfig fields (`cuda_graphs` False: every launch's dispatch eager); `slowdown`:
+    the wall clock runs that many times slower than the device's; `dispatch`: what issuing a launch
+    costs the host (True: dispatch.py's defaults, False: not charged). Its runner's `device_info`
+    says what is emulated."""
     name, spec = device_spec(device)
     slowdown = 1.0 if slowdown is None else float(slowdown)
     if not slowdown > 0:
@@ -287,16 +296,20 @@ def emulated_engine(model: str | Path, device: str, engine: dict | None = None, 
     ecfg = EngineConfig(**kw)
     layout = ecfg.resolve(cfg).kv_layout
     host = HostCost.from_json(host_json) if host_json is not None and Path(host_json).exists() else None
+    dispatch = Dispatch() if dispatch is True else dispatch or None
+    graphs = (engine or {}).get("cuda_graphs") is not False
     cost = RooflineCost(cfg, bandwidth=spec["bandwidth"], peak_flops=spec["peak_flops"], kv_layout=layout,
-                        host=host, attention=attention)
+                        host=host, attention=attention, dispatch=dispatch)
     depths, exits = depth_source(cfg, mean_depth=mean_depth, replay_exits=replay_exits, workload=replay_workload,
                                  lookahead=bool(ecfg.lookahead), seed=seed, by_index=by_index, name=str(model))
     eos = {cfg.eos_token_id, *cfg.stop_token_ids, getattr(tok, "eos_token_id", None)}
     token = next(t for t in range(FIRST_ID, cfg.vocab_size) if t not in eos)
     info = {"device": PREFIX + name, "model": str(model), "cost_model": "roofline", **spec,
             "host_json": str(host_json) if host else None, "attention": attention, "exits": exits,
-            "token_id": token, "slowdown": slowdown}
-    runner = partial(EmulatedRunner, cost=cost, depths=depths, token_id=token, info=info, slowdown=slowdown)
+            "token_id": token, "slowdown": slowdown, "dispatch": dispatch.describe() if dispatch else None,
+            "cuda_graphs": graphs}
+    runner = partial(EmulatedRunner, cost=cost, depths=depths, token_id=token, info=info, slowdown=slowdown,
+                     graphs=graphs)
     return LLMEngine(SimModel(cfg), ecfg, tok, runner_cls=runner)
 
 

@@ -31,6 +31,9 @@ def format_table(block: dict) -> str:
              f"{'S_e2e':>6s} {'speedup':>8s} {'95% interval':>22s} {'of bound':>8s} {'S_e2e(lat)':>10s} {'work/CB':>7s} "
              f"{'wbytes/CB':>9s} "
              f"{'pf launches':>11s} {'pf tok/l':>8s} {'pf share':>8s}"]
+    disp = any(r.get("dispatch") for r in block["results"])  # the simulator's dispatch charge
+    if disp:
+        lines[-1] += f" {'dispatch s':>10s} {'eager ops':>10s} {'eager/graphed':>13s}"
     f = (lambda x, p=3: f"{x:.{p}f}" if isinstance(x, (int, float)) else "-")
     pct = (lambda x: f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-")
     for r in block["results"]:
@@ -40,11 +43,19 @@ def format_table(block: dict) -> str:
                      f"{f(r['speedup_vs_cb'], 3):>8s} {interval(r.get('speedup_interval')):>22s} "
                      f"{pct(r['fraction_of_bound']):>8s} {f(r.get('s_e2e_latency'), 3):>10s}"
                      f" {f(r.get('compute_ratio'), 3):>7s} {f(r.get('weight_traffic_ratio'), 3):>9s}"
-                     + (f" {pf['launches']:11d} {pf['mean_prompt_tokens']:8.1f} {pct(pf['share']):>8s}" if pf else ""))
+                     + (f" {pf['launches']:11d} {pf['mean_prompt_tokens']:8.1f} {pct(pf['share']):>8s}" if pf else "")
+                     + (f" {d['dispatch_s']:10.3f} {d['eager_ops']:10d} "
+                        f"{str(d['eager_launches']) + '/' + str(d['graphed_launches']):>13s}"
+                        if disp and (d := r.get("dispatch")) else ""))
     b = block["bounds"]
     st = block["results"][0]["settings"]
     if st.get("simulated"):
         lines.append("(simulated: virtual seconds from the cost model)")
+        d = next((r["dispatch"] for r in block["results"] if r.get("dispatch")), None)
+        if d:
+            lines.append(f"dispatch charged: {d['op_us']:g} us per eager aten op, {d['replay_us']:g} us per graph replay "
+                         f"({d['source']}; CUDA graphs {'on' if d['cuda_graphs'] else 'off'}: eager = launches with "
+                         "prompt chunks, prefill, speculation" + ("" if d["cuda_graphs"] else ", every launch") + ")")
     elif st.get("emulated"):
         lines.append(f"(EMULATED {st['emulated']}: wall seconds of the real engine, each launch waiting for the cost "
                      f"model's predicted stage time; no weights; {st.get('repeats')} repeat(s) per mode)")

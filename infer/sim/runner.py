@@ -22,6 +22,7 @@ from kv_layouts import layout_class
 from looplm.config import LoopConfig
 
 from .cost import Call
+from .dispatch import LaunchOps, real_criterion
 from .workloads import Request
 
 # Assumed mean exit depths for the GPU predictions (the seed gives none; see docs/results/simulator.md).
@@ -89,14 +90,29 @@ class SimRunner:
     engine reads the ids it copied out (`to_host`), one launch later, and then also pays that
     read's host time (`resolve_seconds`). `overlap=False`: the host waits for every launch (the
     cost of a step is host + device, in series: the emulated device's wall-clock pacing). A cost
-    model without a host share (FittedCost) is device time only, which the overlap leaves as it is."""
+    model without a host share (FittedCost) is device time only, which the overlap leaves as it is.
+
+    Dispatch (issue 62; a cost model with a `dispatch` block, dispatch.py: the simulator's and the
+    emulated device's roofline): issuing a launch costs the host its eager aten ops x `op_us` (a
+    launch carrying prompt chunks, a prefill launch, each launch of a speculative stage, and with
+    `graphs` off every launch) or one graph replay, `replay_us` (a decode-only launch, `graphs` on:
+    the CUDA default). The ops are counted from the engine (dispatch.LaunchOps). Dispatch is host
+    work the device cannot run ahead of, and it comes after the host's work before the launch
+    (`pre`: scheduling, upload). The device does not wait for the whole of it: kernels run as they
+    are issued, so the launch starts on the device when the host starts issuing it (or when the
+    device is free) and cannot end before the host has issued its last kernel: device end =
+    max(start + device time, host dispatch end). The alternative, the device starting only once all
+    of it is issued, would charge a 17 ms eager chunk launch its ~1-4 ms of device time in series
+    instead of beside it. What the engine's CUDA events would show (`last_seconds`, learned by
+    min_coda_batch="auto", and the trace's seconds) is the priced seconds plus the time the device
+    waited for the host to issue (`_stall`)."""
 
     attention_stats = None  # (Runner.attention_stats: only ModelRunner counts KV rows read)
     device_info = None  # (Runner.device_info: the emulated device names the GPU it stands for)
 
     def __init__(self, model, kv_layout, blocks, criterion, pad_pow2=True, max_batch_size=64, *,
                  cost, depths: list[list[int]], pcie_bandwidth: float = 25e9, acceptance: float = 1.0,
-                 acceptance_seed: int = 0, overlap: bool = False, reentry: bool = False, **_):
+                 acceptance_seed: int = 0, overlap: bool = False, reentry: bool = False, graphs: bool = True, **_):
         self.model, self.cfg, self.blocks = model, model.cfg, blocks
         # speculation: each drafted token is accepted with probability `acceptance` (seeded draws)
         self.acceptance, self._accept_rng = acceptance, random.Random(f"accept:{acceptance_seed}")
@@ -122,6 +138,14 @@ class SimRunner:
         # the host reads its results, or at once where it reads none before the next launch
         self._post, self._post_end = 0.0, -1.0
         self.swap_seconds = 0.0
+        # dispatch (class docstring): the costs (None: not charged), the op counts, what was charged
+        self.dispatch = getattr(cost, "dispatch", None)
+        self.graphed = graphs  # (not `graphs`: LLMEngine reads that as a GraphCache)
+        self.ops = (LaunchOps(model.cfg, kv_layout, getattr(cost, "attention", "sdpa"))
+                    if self.dispatch is not None else None)
+        self.op_criterion = real_criterion(model.cfg, criterion)  # what a real engine's launches run
+        self.dispatched = {"dispatch_s": 0.0, "eager_ops": 0, "eager_launches": 0, "graphed_launches": 0}
+        self._stall = 0.0  # how long the last launch's device waited for the host to issue it
         self.last_seconds = 0.0  # the last launch's priced seconds (what min_coda_batch="auto" learns)
         self._out: dict[int, int] = {}  # seq_id -> blocks swapped out (a swap-in copies those back)
         self.trace: list[TraceRow] = []
@@ -133,16 +157,20 @@ class SimRunner:
         """Virtual seconds so far: when both the host and the device are done."""
         return max(max(self.host_at, self._unread or 0.0) + self._post, self.device_at)
 
-    def _charge(self, device: float, pre: float = 0.0, post: float = 0.0) -> float:
+    def _charge(self, device: float, pre: float = 0.0, post: float = 0.0, dispatch: float = 0.0) -> float:
         """One launch on the clocks (class docstring): the host's work before it (`pre`), then the
-        launch; returns when it ends on the device. `post`, the host's work after it, comes when the
-        host reads the launch's results (`read`, `to_host`) or, when it reads none, before the next
+        launch, which the host issues in `dispatch` seconds while the device runs what is issued;
+        returns when it ends on the device. `post`, the host's work after it, comes when the host
+        reads the launch's results (`read`, `to_host`) or, when it reads none, before the next
         launch."""
         if self._unread is not None:  # the host read the last emitting launch's rows before this launch
             self.host_at = max(self.host_at, self._unread)
             self._unread = None
         self.host_at += self._post + pre
-        self.device_at = end = max(self.host_at, self.device_at) + device
+        start = max(self.host_at, self.device_at)
+        self.host_at += dispatch
+        self.device_at = end = max(self.host_at, start + device)
+        self._stall = end - start - device
         if not self.overlap:
             self.host_at = end
         self._post, self._post_end = post, end
@@ -216,9 +244,12 @@ class SimRunner:
                      prompt_rows=sum(e for _, e in spans),
                      prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
                      finals=len(work.finals))
-        t = self.last_seconds = self.cost(c)
-        end = self._charge(*self._split(work.stage, c.padded, t))
+        t = self.cost(c)
         prefill = work.stage is Stage.PREFILL
+        eager = prefill or bool(work.chunks) or not self.graphed  # (what runs eagerly on CUDA: class docstring)
+        end = self._charge(*self._split(work.stage, c.padded, t),
+                           self._dispatch(eager, work.stage, n, len(work.chunks)))
+        t = self.last_seconds = t + self._stall  # (what the launch's CUDA events would show)
         self.trace.append(trace_row(
             work.stage.value, n, padded=c.padded, tokens=c.tokens, context=c.context, seconds=t,
             score_reads=int(work.stage is Stage.CORE and self.scores), prompt_tokens=c.tokens if prefill else c.prompt_tokens,
@@ -241,6 +272,32 @@ class SimRunner:
             # the "learned" criterion's score is an exit probability (looplm/exits.py)
             return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs], self, end)
         return Emitted(self._rows(n + len(work.finals)))
+
+    def _dispatch(self, eager: bool, stage: Stage, items: int, chunks: int = 0, phase: str | None = None) -> float:
+        """The host seconds issuing a launch costs (class docstring), counted in `dispatched`: an
+        eager launch its ops x op_us (a speculative launch's by its `phase`), a graphed one a replay."""
+        if self.dispatch is None:
+            return 0.0
+        d = self.dispatched
+        if not eager:
+            d["graphed_launches"] += 1
+            s = self.dispatch.replay_us * 1e-6
+        else:
+            ops = (self.ops.spec(phase, stage, items, self.op_criterion) if phase is not None else
+                   self.ops.launch(stage, items, chunks, self.op_criterion))
+            ops = max(0, round(ops))
+            d["eager_launches"] += 1
+            d["eager_ops"] += ops
+            s = ops * self.dispatch.op_us * 1e-6
+        d["dispatch_s"] += s
+        return s
+
+    def dispatch_stats(self) -> dict | None:
+        """What dispatch charged (None: not charged): host seconds, eager ops, eager and graphed
+        launches, the costs and where they came from."""
+        if self.dispatch is None:
+            return None
+        return {**self.dispatched, **self.dispatch.describe(), "cuda_graphs": self.graphed}
 
     def _stamp(self, seqs: list[Sequence], at: float) -> None:
         """The virtual time of each sequence's first and latest token, the end of the launch that
@@ -278,7 +335,9 @@ class SimRunner:
             t = self.cost(Call(launch.stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
                                rows_paged=sum(-(-x // bs) * bs for x in ctx)))
             # (the plan reads each core launch's exits before its next launch: a read per launch)
-            end = self._charge(*self._split(launch.stage, n, t))
+            end = self._charge(*self._split(launch.stage, n, t),
+                               self._dispatch(True, launch.stage, n, phase=launch.phase))
+            t += self._stall
             self.read(end)
             launches[launch.phase] += 1
             rows.append(spec_row(launch, sum(ctx), self.cfg.r_max, t, int(launch.stage is Stage.CORE)))

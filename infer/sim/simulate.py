@@ -38,20 +38,26 @@ def simulate_mode(cfg: LoopConfig, requests: list[Request], mode: dict, cost, de
     """One mode through the real engine on the virtual clock; the bench's raw record. `engine`:
     EngineConfig fields (the same for every mode; a mode's own fields win, the exit criterion is
     the simulator's, SIM_EXITS, and fields left open are decided as on a GPU, `gpu_settings`).
-    `overlap`: the host's work runs beside the device's (SimRunner's two clocks); False: in series."""
+    `overlap`: the host's work runs beside the device's (SimRunner's two clocks); False: in series.
+    `cuda_graphs` (an engine field here): False prices every launch's dispatch as eager; default
+    (None, True) decode-only launches replay graphs, as on CUDA (the cost model's `dispatch`
+    charges either; SimRunner). The raw record gains `dispatch` (SimRunner.dispatch_stats)."""
     kw = gpu_settings({**engine, **{k: v for k, v in mode.items() if k != "name"}, **SIM_EXITS})
+    graphs = kw.pop("cuda_graphs", None) is not False  # (the SimModel is a CPU: the engine keeps it off)
     kw["r_min"] = 2 if kw.get("lookahead") else 1
     ecfg = EngineConfig(**kw)
     eng = LLMEngine(SimModel(cfg), ecfg, runner_cls=partial(SimRunner, cost=cost, depths=depths, overlap=overlap,
-                                                            reentry=kw["async_scheduling"]))
+                                                            reentry=kw["async_scheduling"], graphs=graphs))
     seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
             for i, r in enumerate(requests)]
     while eng.has_unfinished():
         eng.step()
     run = eng.runner
-    return raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
-                    prefix_cache=prefix_cache(eng.metrics()), work=work_counts(run.trace, cfg, cost_bytes(cost)),
-                    speculative=eng.speculative_metrics(), auto_coda=eng.auto_coda_metrics())
+    raw = raw_from(mode, run.trace, run.clock, [eng.output(s) for s in seqs], eng.config,
+                   prefix_cache=prefix_cache(eng.metrics()), work=work_counts(run.trace, cfg, cost_bytes(cost)),
+                   speculative=eng.speculative_metrics(), auto_coda=eng.auto_coda_metrics())
+    raw["dispatch"] = run.dispatch_stats()
+    return raw
 
 
 def speculation_projection(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[int]],
@@ -66,8 +72,9 @@ def speculation_projection(cfg: LoopConfig, requests: list[Request], cost, depth
             kw = {**engine, **SIM_EXITS, "max_batch_size": b, "speculative_tokens": k}
             kw.setdefault("speculative_max_batch", b)
             kw["r_min"] = 2 if kw.get("lookahead") else 1
+            graphs = kw.pop("cuda_graphs", None) is not False  # (as simulate_mode)
             eng = LLMEngine(SimModel(cfg), EngineConfig(**kw), runner_cls=partial(
-                SimRunner, cost=cost, depths=depths, acceptance=acceptance, acceptance_seed=seed))
+                SimRunner, cost=cost, depths=depths, acceptance=acceptance, acceptance_seed=seed, graphs=graphs))
             seqs = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
                                     request_id=str(i)) for i, r in enumerate(requests)]
             while eng.has_unfinished():
@@ -78,6 +85,7 @@ def speculation_projection(cfg: LoopConfig, requests: list[Request], cost, depth
             ntok = sum(len(s.output_ids) for s in seqs)
             out[name] = {"seconds": run.clock, "output_tokens_per_s": ntok / run.clock,
                          "mean_tpot_s": sum(tpot) / len(tpot), "speculative": eng.speculative_metrics(),
+                         "dispatch": run.dispatch_stats(),
                          "work": work_counts(run.trace, cfg, cost_bytes(cost))}
         rows.append({"batch": b, **out, "throughput_ratio": out["on"]["output_tokens_per_s"] /
                      out["off"]["output_tokens_per_s"], "tpot_speedup": out["off"]["mean_tpot_s"] / out["on"]["mean_tpot_s"]})
@@ -122,8 +130,8 @@ def load_acceptance(arg: str) -> float:
 def served_context(cfg: LoopConfig, engine: dict) -> int:
     """The max_model_len an engine with these EngineConfig fields serves on `cfg` (the simulated
     device's pool decides it, as on a real one): the longest request a workload may hold."""
-    eng = LLMEngine(SimModel(cfg), EngineConfig(**{**engine, **SIM_EXITS}),
-                    runner_cls=partial(SimRunner, cost=None, depths=[]))
+    kw = {k: v for k, v in {**engine, **SIM_EXITS}.items() if k != "cuda_graphs"}  # (as simulate_mode)
+    eng = LLMEngine(SimModel(cfg), EngineConfig(**kw), runner_cls=partial(SimRunner, cost=None, depths=[]))
     return eng.max_model_len
 
 
@@ -144,8 +152,11 @@ def simulate(cfg: LoopConfig, requests: list[Request], cost, depths: list[list[i
 
 
 
+# (attention_backend: the simulator prices decode attention with its own --attention. cuda_graphs stays a
+# flag: --no-cuda-graphs prices every launch's dispatch as eager, simulate_mode)
 SIM_SKIPPED = ("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed", "exit_criterion", "exit_threshold",
-               "r_min", "cuda_graphs", "pipeline", "gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
+               "r_min", "pipeline", "gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory",
+               "attention_backend")
 # the engine flags a bench trace's settings can hold ("seed" there is the workload's, not EngineConfig's)
 ENGINE_FIELDS = frozenset(EngineConfig.field_names()) - {"policy", "refill", "min_coda_batch", "full_depth", "trace",
                                                          "seed"}

@@ -113,6 +113,10 @@ def summarize(raws: dict[str, dict], cfg, requests: list[Request], settings: dic
                "steps": r["steps"], "stages": r["stages"], "prefill": r.get("prefill"),
                "prefix_cache": r.get("prefix_cache"), "work": r.get("work"), "speculative": r.get("speculative"),
                "auto_coda": r.get("auto_coda"),
+               # the simulator's dispatch charge (SimRunner.dispatch_stats; None where not charged): host
+               # seconds it charged and the eager aten ops issued, with the launch counts in `dispatch`
+               "dispatch_s": (r.get("dispatch") or {}).get("dispatch_s"),
+               "eager_ops": (r.get("dispatch") or {}).get("eager_ops"), "dispatch": r.get("dispatch"),
                "exit_depths_crc32": RP.depths_crc32(r["exit_depths"]),  # equal digests: equal per-token depths
                **work_ratios(r["work"], cb["work"] if cb else None),
                "settings": {**settings, **r["mode"]}, "engine_config": r["engine_config"]}
