@@ -304,3 +304,16 @@ def test_engine_equals_reference_with_paged_attention(arch, mode, layout, lookah
         assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths, f"seed {seed}, request {i}"
         assert max(abs(a - b) for a, b in zip(s.logprobs, r.logprobs)) < 1e-10, f"seed {seed}, request {i}"
     assert eng.blocks.all_free
+
+
+@pytest.mark.parametrize("arch,policy", [("ouro-tiny", "cb"), ("huginn-tiny", "cdb")])
+def test_the_reserve_counts_the_graphs_static_outputs(arch, policy):
+    """memory.graph_output_bytes (in the CUDA reserve) equals the logits buffers the start-up capture
+    keeps, one per emitting key (CB's fused, CDB's coda), with a pool that holds the whole context."""
+    from infer.engine.memory import graph_output_bytes
+    m = model(arch)
+    with use_stand_in():
+        eng = LLMEngine(m, EngineConfig(policy=policy, max_batch_size=4, kv_cache_tokens=m.cfg.max_position))
+    kept = sum(out.numel() * out.element_size() for key, (_, out) in eng.runner.graphs.graphs.items()
+               if out is not None and key[0].emits)
+    assert kept > 0 and graph_output_bytes(eng.config, m.cfg, m.dtype) == kept

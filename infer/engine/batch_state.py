@@ -84,8 +84,8 @@ class BatchState:
         # whose token the host has not read yet is uploaded as -1 and embeds this one instead
         self.tok = torch.zeros(S, **long)
         # paged attention (stages.paged_attention): decode attention reads each item's own blocks
-        # through the block tables instead of gathering every context to the longest. Off by
-        # default: on CUDA it needs scripts/gpu_check.py's parity and speed check first.
+        # through the block tables instead of gathering every context to the longest. Set by
+        # ModelRunner.enable_paged (EngineConfig.attention_backend="paged", the CUDA default)
         self.paged = False
         # contexts padded to power-of-two buckets (CUDA: few graph keys; a graph-replay emulator on CPU too)
         self.bucketed = device.type == "cuda"

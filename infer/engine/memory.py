@@ -31,7 +31,7 @@ from looplm.exits import initial_aux, score_rule
 from looplm.model import LoopedLM
 
 from . import stages
-from .batch_state import context_blocks, next_pow2, table_width
+from .batch_state import context_blocks, next_pow2, padded_batch, table_width
 from .config import EngineConfig
 from .stages import TokenBatch
 
@@ -128,14 +128,32 @@ def launch_peaks(model: LoopedLM, c: EngineConfig) -> dict[str, int]:
 
     return {"prefill": _peak(lambda: stages.prefill(model, layout, prompt, pos[-1:]), dev),
             "logprobs": _peak(lambda: torch.log_softmax(stages.prefill(model, layout, prompt, pos).double(), -1), dev),
-            "decode": max(_peak(lambda: stages.fused(model, layout, decode(), cfg.r_max), dev), _peak(core, dev))}
+            "decode": max(_peak(lambda: stages.fused(model, layout, decode(), cfg.r_max), dev), _peak(core, dev)),
+            "graph_outputs": graph_output_bytes(c, cfg, model.dtype) if c.cuda_graphs else 0}
+
+
+def graph_output_bytes(c: EngineConfig, cfg, dtype: torch.dtype) -> int:
+    """Bytes of the logits that the CUDA graphs keep as their static outputs, one [N, V] buffer per
+    emitting key for good (CB's fused iteration, CDB's coda; the scores of core keys are [N], noise):
+    each padded batch size times the context buckets of a stage with attention layers (the keys of
+    ModelRunner.graph_keys, at the widest table a pool can give)."""
+    B, elt = c.block_size, torch.empty((), dtype=dtype).element_size()
+    width = table_width(cfg.max_position, B, cfg.max_position)
+    sizes = {padded_batch(n, c.max_batch_size, c.pad_pow2) for n in range(1, c.max_batch_size + 1)}
+    attends = c.policy == "cb" or cfg.n_coda > 0
+    buckets = len({context_blocks(nb, width, True) for nb in range(1, width + 1)}) if attends else 1
+    return sum(sizes) * buckets * cfg.vocab_size * elt
 
 
 def activation_reserve(peaks: dict[str, int]) -> int:
     """Bytes the budget keeps for activations: the largest decode plus the largest eager launch, which
     can hold memory at once (a mixed launch carries decode items at the longest context beside prompt
-    chunks, and CUDA graphs keep the largest decode graph's intermediates in their pool for good)."""
-    return peaks["decode"] + max(peaks["prefill"], peaks["logprobs"])
+    chunks), plus the CUDA graphs' static outputs. The graphs' pool: captured largest key first
+    (graphs.py), every smaller key reuses the segments of the first, so the pool is about the largest
+    decode body's peak, which `decode` measures through the SDPA gather (the paged path gathers
+    nothing, so this bounds it too); gpu_check compares the pool it finds (torch.cuda.memory_snapshot
+    of the pool's segments) with `decode` + `graph_outputs`."""
+    return peaks["decode"] + max(peaks["prefill"], peaks["logprobs"]) + peaks.get("graph_outputs", 0)
 
 
 def cuda_budget(model: LoopedLM, c: EngineConfig) -> int:
