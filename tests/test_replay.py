@@ -158,7 +158,8 @@ def test_sim_replays_on_a_checkpoint_shape_and_another_gpu(tmp_path):
     tps = {}
     for gpu in ("h100", "h200"):
         sim_main(["--model", str(folder), "--replay-exits", str(path), "--pool", "--ks", "1", "--gpu", gpu,
-                  "--host-json", "none", "--overhead-us", "0", "--out", str(tmp_path / gpu)])
+                  "--host-json", "none", "--overhead-us", "0", "--op-us", "0", "--replay-us", "0",
+                  "--out", str(tmp_path / gpu)])
         out = json.loads(next((tmp_path / gpu).glob("sim_ckpt_*.json")).read_text())
         assert out["gpu"] == gpu and out["pooled"] and len(out["workloads"]) == 1
         res = {r["mode"]: r for r in out["workloads"][0]["results"]}
