@@ -359,8 +359,9 @@ def parser() -> argparse.ArgumentParser:
                    "every launch waits for the simulator's predicted stage time (infer/sim/emulated.py)")
     p.add_argument("--mean-depth", type=float, default=None, help="emulated device: mean exit depth (binomial "
                    "spread; default: infer.sim's assumption); --replay-exits instead replays a file's depths")
-    p.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default="sdpa",
-                   help="emulated device: what decode attention reads (infer.sim's --attention)")
+    p.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default=None,
+                   help="emulated device: what decode attention reads (infer.sim's --attention; default: the "
+                        "engine's --attention-backend as on CUDA, paged unless it says sdpa)")
     p.add_argument("--emulated-slowdown", type=float, default=None, metavar="S",
                    help="emulated device: its wall clock runs S times slower than the GPU's (default 1)")
     add_load_args(p)

@@ -45,8 +45,8 @@ def parser() -> argparse.ArgumentParser:
                    help="emulated device: exit depths from a recorded-exits file (python -m infer.bench "
                         "--record-exits), its records given to requests in turn")
     m.add_argument("--emulated-attention", choices=("sdpa", "paged", "context"), default=None,
-                   help="emulated device: what decode attention reads (infer.sim's --attention; default sdpa, the "
-                        "engine's CUDA path today; paged: a paged kernel as vLLM's)")
+                   help="emulated device: what decode attention reads (infer.sim's --attention; default: the engine's "
+                        "--attention-backend as on CUDA, paged unless it says sdpa)")
     m.add_argument("--emulated-slowdown", type=float, default=None, metavar="S",
                    help="emulated device: its clock runs S times slower (every predicted stage time x S), so a small "
                         "host keeps up; rates map back x S, latencies / S (default 1)")

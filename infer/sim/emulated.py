@@ -277,11 +277,13 @@ def depth_source(cfg: LoopConfig, *, mean_depth: float | None = None, replay_exi
 
 def emulated_engine(model: str | Path, device: str, engine: dict | None = None, *, mean_depth: float | None = None,
                     replay_exits: Path | None = None, replay_workload: str | None = None, seed: int = 0,
-                    layer_split: str | None = None, host_json: Path | None = HOST_JSON, attention: str = "sdpa",
+                    layer_split: str | None = None, host_json: Path | None = HOST_JSON, attention: str | None = None,
                     by_index: bool = False, trace: bool = False, slowdown: float | None = None,
                     dispatch: Dispatch | bool = True) -> LLMEngine:
     """An LLMEngine on the emulated `device` ("emulated:h100") for `model` (module docstring);
-    `engine`: EngineConfig fields (`cuda_graphs` False: every launch's dispatch eager); `slowdown`:
+    `engine`: EngineConfig fields (`cuda_graphs` False: every launch's dispatch eager); `attention`:
+    what decode attention reads (infer.sim's --attention; None: the engine's attention_backend as it
+    resolves on CUDA, paged unless the engine fields say sdpa); `slowdown`:
     the wall clock runs that many times slower than the device's; `dispatch`: what issuing a launch
     costs the host (True: dispatch.py's defaults, False: not charged). Its runner's `device_info`
     says what is emulated."""
@@ -295,6 +297,7 @@ def emulated_engine(model: str | Path, device: str, engine: dict | None = None, 
         kw["trace"] = True
     ecfg = EngineConfig(**kw)
     layout = ecfg.resolve(cfg).kv_layout
+    attention = attention or ecfg.resolve(cfg, "cuda").attention_backend  # the device it stands for decides
     host = HostCost.from_json(host_json) if host_json is not None and Path(host_json).exists() else None
     dispatch = Dispatch() if dispatch is True else dispatch or None
     graphs = (engine or {}).get("cuda_graphs") is not False
@@ -318,5 +321,5 @@ def engine_from_args(a) -> LLMEngine:
     engine = engine_kwargs_from_args(a)
     return emulated_engine(a.model, a.device, engine, mean_depth=a.mean_depth, replay_exits=a.replay_exits,
                            replay_workload=a.replay_workload, seed=engine.get("seed") or 0, layer_split=a.layer_split,
-                           attention=a.emulated_attention or "sdpa", slowdown=a.emulated_slowdown)
+                           attention=a.emulated_attention, slowdown=a.emulated_slowdown)
 
