@@ -376,6 +376,19 @@ class LaunchOps:
             return fam.mixed[stage](chunks, items > 0)
         return fam.decode[stage]
 
+    def prime(self, config, criterion: str) -> None:
+        """Count now the families an engine with this resolved EngineConfig launches (instead of at
+        its first launch of each): the emulated device does it at start-up, so that no request
+        waits on a count."""
+        if config.policy == "cb":
+            self._get("cb")
+        else:
+            self._get("cdb", criterion)
+        if config.prefill == "separate":
+            self._get("prefill")
+        if config.speculative_tokens:
+            self._get("spec", criterion)
+
     def spec(self, phase: str, stage: Stage, items: int, criterion: str) -> float:
         """Eager ops of one launch of a speculative stage's plan; a (phase, stage) the counting run
         did not meet (every draft exited before verification) is charged as an eager decode launch

@@ -313,7 +313,10 @@ def emulated_engine(model: str | Path, device: str, engine: dict | None = None, 
             "cuda_graphs": graphs}
     runner = partial(EmulatedRunner, cost=cost, depths=depths, token_id=token, info=info, slowdown=slowdown,
                      graphs=graphs)
-    return LLMEngine(SimModel(cfg), ecfg, tok, runner_cls=runner)
+    eng = LLMEngine(SimModel(cfg), ecfg, tok, runner_cls=runner)
+    if eng.runner.ops is not None:  # the launches' op counts now, not in the first requests' time (dispatch.py)
+        eng.runner.ops.prime(eng.config, eng.runner.op_criterion)
+    return eng
 
 
 def engine_from_args(a) -> LLMEngine:

@@ -168,9 +168,11 @@ class SimRunner:
             self._unread = None
         self.host_at += self._post + pre
         start = max(self.host_at, self.device_at)
-        self.host_at += dispatch
-        self.device_at = end = max(self.host_at, start + device)
-        self._stall = end - start - device
+        self.host_at += dispatch  # (the host issues the launch's kernels; the device runs them as they come)
+        done = start + device
+        # the device's wait for the host's last kernel (exactly 0 without one: what auto learns is unchanged)
+        self._stall = self.host_at - done if self.host_at > done else 0.0
+        self.device_at = end = done + self._stall
         if not self.overlap:
             self.host_at = end
         self._post, self._post_end = post, end
