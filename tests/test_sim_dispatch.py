@@ -204,9 +204,17 @@ def test_dispatch_json_and_flags(tmp_path, capsys):
           str(f), "--replay-us", "3", "--out", str(tmp_path / "o")])
     doc = json.loads(next((tmp_path / "o").glob("sim_*.json")).read_text())
     assert doc["dispatch"] == {"op_us": 2.5, "replay_us": 3.0, "source": str(f)}
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"op_us": 1}))
-    with pytest.raises(ParamError, match="--dispatch-json"):
+    half = tmp_path / "half.json"  # (gpu_check's block before its dispatch section ran: nulls)
+    half.write_text(json.dumps({"dispatch": {"op_us": 4.0, "replay_us": None}}))
+    d = D.Dispatch.from_json(half)
+    assert (d.op_us, d.replay_us) == (4.0, D.REPLAY_US) and "replay_us null there" in d.source
+    for doc in ({"op_us": 1}, {"dispatch": {"op_us": "fast", "replay_us": 1}}):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(ParamError, match="--dispatch-json"):
+            D.Dispatch.from_json(bad)
+    bad.write_text(json.dumps({"dispatch": {"op_us": -2, "replay_us": 1}}))
+    with pytest.raises(ParamError, match="--op-us must be >= 0"):
         D.Dispatch.from_json(bad)
 
 

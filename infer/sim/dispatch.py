@@ -339,17 +339,25 @@ class Dispatch:
     @classmethod
     def from_json(cls, path: Path | str, op_us: float | None = None, replay_us: float | None = None) -> Dispatch:
         """The costs of a gpu_check JSON's top-level `dispatch` block; `op_us` / `replay_us` given
-        here win."""
+        here win. A cost the block holds as null (gpu_check did not measure it) takes the default,
+        and `source` says so."""
         data = json.loads(Path(path).read_text())
         d = data.get("dispatch") if isinstance(data, dict) else None
-        if not isinstance(d, dict):
-            raise ParamError("dispatch_json", f"--dispatch-json: {path} has no top-level 'dispatch' block")
-        try:
-            return cls(float(d["op_us"]) if op_us is None else op_us,
-                       float(d["replay_us"]) if replay_us is None else replay_us, str(path))
-        except (KeyError, TypeError) as e:
-            raise ParamError("dispatch_json", f"--dispatch-json: {path}'s 'dispatch' block needs numbers op_us and "
-                                              f"replay_us ({e!r})") from None
+        if not isinstance(d, dict) or "op_us" not in d or "replay_us" not in d:
+            raise ParamError("dispatch_json", f"--dispatch-json: {path} has no top-level 'dispatch' block with op_us "
+                                              "and replay_us")
+        given, notes = {"op_us": op_us, "replay_us": replay_us}, []
+        for name, default in (("op_us", OP_US), ("replay_us", REPLAY_US)):
+            if given[name] is None:
+                v = d[name]
+                if v is None:
+                    v = default
+                    notes.append(f"{name} null there: default {default:g}")
+                elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ParamError("dispatch_json", f"--dispatch-json: {path}'s dispatch.{name} must be a number, "
+                                                      f"got {v!r}")
+                given[name] = float(v)
+        return cls(given["op_us"], given["replay_us"], str(path) + (f" ({'; '.join(notes)})" if notes else ""))
 
     def describe(self) -> dict:
         return {"op_us": self.op_us, "replay_us": self.replay_us, "source": self.source}
