@@ -346,7 +346,10 @@ def test_sweep_sim_column_equals_a_separate_replay_of_the_points_file(tiny, tmp_
     cdb, cb = rows
     assert cb["sim/mean_exit_depth"] == 4 and cb["sim/speedup_vs_cb"] == 1.0
     assert cdb["sim/mean_exit_depth"] == pytest.approx(cdb["mean_exit_depth"])  # the depths the evaluation took
-    assert cdb["sim/compute_ratio"] < 1 and cdb["sim/speedup_vs_cb"] > 1
+    # less work; not necessarily faster: at 4 requests every prompt's chunks ride CDB's r_max + 2 eager
+    # launches against CB's one, and the dispatch charge (issue 62) leaves it at ~0.996x CB (the speedup
+    # is the simulator's own, compared with a separate replay above)
+    assert cdb["sim/compute_ratio"] < 1 and 0 < cdb["sim/speedup_vs_cb"] < 2
     header = (out / "results.csv").read_text().splitlines()[0]
     assert "sim/fraction_of_bound" in header and "bench/output_tokens_per_s" in header
     assert (out / "pareto.png").stat().st_size > 1000
