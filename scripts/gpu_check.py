@@ -581,10 +581,22 @@ def parity_requests(arch: str) -> list[tuple[list[int], int]]:
 
 
 def run_cases(run: Run, dev: torch.device, section: str, block: dict, keys: list[str], case_fn, prior_s: float,
-              until: float) -> None:
-    """Each case of a parity section in order (`case_fn(key)` -> its value), guarded: a case starts
-    only while the mean case so far (before any: `prior_s` / the count) fits the budget and the
-    section's cap (`until`); else it and the rest are skipped, with one entry (the estimate: theirs)."""
+              until: float, cache: dict) -> None:
+    """Each case of a parity section in order (`case_fn(key)` -> its value), in inference mode, then the
+    section's verdict in `block` (failed, ok, all_cases_ran) and `cache` (the case's models) emptied."""
+    with torch.inference_mode():
+        _run_cases(run, dev, section, block, keys, case_fn, prior_s, until)
+    cache.clear()
+    block["failed"] = [k for k, v in block["cases"].items() if case_failed(v)]
+    block["ok"] = not block["failed"]
+    block["all_cases_ran"] = "not_run" not in block
+
+
+def _run_cases(run: Run, dev: torch.device, section: str, block: dict, keys: list[str], case_fn, prior_s: float,
+               until: float) -> None:
+    """The cases, guarded: a case starts only while the mean case so far (before any: `prior_s` / the
+    count) fits the budget and the section's cap (`until`); else it and the rest are skipped, with one
+    entry (the estimate: theirs)."""
     took: list[float] = []
     for i, key in enumerate(keys):
         need = statistics.mean(took) if took else prior_s / len(keys)
@@ -654,12 +666,7 @@ def parity_float64(run: Run, dev: torch.device, prior_s: float, until: float) ->
         check_autograd(run, eng, where, "its passes")
         return [(o.token_ids, o.exit_depths) for o in outs] == cache[(layout, "refs")][eng.config.policy == "cb"]
 
-    with torch.inference_mode():
-        run_cases(run, dev, "parity_float64", block, keys, case, prior_s, until)
-    cache.clear()
-    block["failed"] = [k for k, v in block["cases"].items() if case_failed(v)]
-    block["ok"] = not block["failed"]
-    block["all_cases_ran"] = "not_run" not in block
+    run_cases(run, dev, "parity_float64", block, keys, case, prior_s, until, cache)
     return block
 
 
@@ -783,12 +790,7 @@ def parity_paged(run: Run, dev: torch.device, prior_s: float, until: float) -> d
             cache.update(arch=arch, m=m, reqs=reqs, depths=forced_depths(arch, reqs, m.cfg.r_max))
         return paged_case(run, key, cache["m"], getattr(torch, dt), layout, cache["reqs"], cache["depths"], dev)
 
-    with torch.inference_mode():
-        run_cases(run, dev, "parity_paged", block, keys, case, prior_s, until)
-    cache.clear()
-    block["failed"] = [k for k, v in block["cases"].items() if case_failed(v)]
-    block["ok"] = not block["failed"]
-    block["all_cases_ran"] = "not_run" not in block
+    run_cases(run, dev, "parity_paged", block, keys, case, prior_s, until, cache)
     return block
 
 

@@ -81,26 +81,25 @@ class OpCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def paused(counter: OpCounter, fn):
-    """`fn` with the counter paused while it runs (work the host table already charges)."""
+def _switched(counter: OpCounter, fn, on: bool):
+    """`fn` with the counter on (`on`) or paused while it runs, as it was after."""
     def wrapper(*a, **k):
-        was, counter.active = counter.active, False
+        was, counter.active = counter.active, on
         try:
             return fn(*a, **k)
         finally:
             counter.active = was
     return wrapper
+
+
+def paused(counter: OpCounter, fn):
+    """`fn` with the counter paused while it runs (work the host table already charges)."""
+    return _switched(counter, fn, False)
 
 
 def counted(counter: OpCounter, fn):
     """`fn` with the counter on while it runs."""
-    def wrapper(*a, **k):
-        was, counter.active = counter.active, True
-        try:
-            return fn(*a, **k)
-        finally:
-            counter.active = was
-    return wrapper
+    return _switched(counter, fn, True)
 
 
 # ---------------------------------------------------------------------------------- lines
