@@ -338,19 +338,40 @@ def compile_paged_flex(num_shapes: int, backend: str = "inductor"):
       default (torch/_dynamo/config.py:121) and past them runs the frame uncompiled
       (convert_frame.py:1986-2039, RUN_ONLY), i.e. eager flex_attention, which materialises
       [depth slots, H, N, R] scores over the whole KV storage: slow at best, out of memory at worst,
-      with one log line.
-    - fullgraph=True: at the limit Dynamo raises FailOnRecompileLimitHit instead of running eagerly
-      (convert_frame.py:2030-2033), so a shape this count missed fails loudly.
-    - the count is this runner's own where torch.compile takes `recompile_limit=` and
-      `isolate_recompiles=` (torch 2.13); without them every torch.compile of flex_attention in the
-      process shares one list of entries (torch/__init__.py:2718-2732), so `_recompile_options`
-      raises the process-wide limit by this runner's shapes instead (torch 2.11, the GPU hosts' torch:
-      neither keyword exists there, and passing them raises TypeError). Dynamo's global cap,
+      with one log line. `_recompile_options` makes the room: this runner's own count where
+      torch.compile takes `recompile_limit=` and `isolate_recompiles=` (torch 2.13), else the
+      process-wide limit raised by this runner's shapes (torch 2.11, the GPU hosts' torch: neither
+      keyword exists there, and passing them raised TypeError), shared with every other compile of
+      flex_attention in the process (torch/__init__.py:2718-2732).
+    - fullgraph=True: at a limit Dynamo raises FailOnRecompileLimitHit instead of running eagerly
+      (convert_frame.py:2030-2033). And `ShapeBudget` keeps this runner's count itself, on every
+      torch: a shape past num_shapes raises the same error before Dynamo is asked, so a shape this
+      count missed fails loudly even where the limit is shared. Dynamo's global cap,
       accumulated_recompile_limit (256 entries of the code object over all regions:
       _dynamo/cache_size.py:100-103), still applies, also loudly."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True, backend=backend,
-                         **_recompile_options(num_shapes))
+    return ShapeBudget(torch.compile(flex_attention, dynamic=False, fullgraph=True, backend=backend,
+                                     **_recompile_options(num_shapes)), num_shapes)
+
+
+class ShapeBudget:
+    """A compiled flex_attention that refuses a new static shape past `num_shapes` (the shapes of its
+    query, keys and values, their dtype and the kernel options: what its compiled entries differ by)."""
+
+    def __init__(self, fn, num_shapes: int):
+        self.fn, self.num_shapes, self.shapes = fn, num_shapes, set()
+
+    def __call__(self, q, k, v, **kw):
+        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, kw.get("enable_gqa"),
+               tuple(sorted((kw.get("kernel_options") or {}).items())))
+        if key not in self.shapes:
+            if len(self.shapes) >= self.num_shapes:
+                from torch._dynamo.exc import FailOnRecompileLimitHit
+                raise FailOnRecompileLimitHit(f"paged flex_attention: a static shape past this runner's "
+                                              f"{self.num_shapes} (q {tuple(q.shape)}, kv {tuple(k.shape)}); "
+                                              f"ModelRunner.enable_paged counts the shapes a runner meets")
+            self.shapes.add(key)
+        return self.fn(q, k, v, **kw)
 
 
 def _recompile_options(num_shapes: int) -> dict:
