@@ -14,9 +14,13 @@ reach the fixed point, which is the sequential result (it is unique: the depende
 `converge` iterates until exit depths and logits stop changing; tests check it against
 looplm.reference.reference_generate in float64.
 
-Training (train/shared_kv.py) uses the same sweep twice: pass 1 (no grad, `pass1_sweeps` sweeps)
-gives every position's exit depth and exit-depth K/V; pass 2 (with grad) is one more sweep against
-those, detached. The approximation: the context K/V are one sweep stale and carry no gradient.
+Training (train/shared_kv.py: `training_loss`) runs `pass1_sweeps` context sweeps, then the loss
+sweep against the last one. A sweep never detaches its context: the context K/V carry whatever graph
+`prev` carries, so when the context sweeps run with grad the loss's gradient is the exact derivative
+of the loss computed (the path through the other tokens' K/V included, which is what the shared
+layout asks k_proj / v_proj to change). Cutting it is the caller's named choice (`context_grad`).
+The approximation left is the value: the context is `pass1_sweeps` sweeps from the causal start, not
+the fixed point (its staleness is measured during training).
 
 Positions < `prompt_len` are prompt: full depth, attending depth-major to each other's fresh
 step-s K/V (the engine's prefill). The coda (Huginn) is not looped: a token's coda attends to the
@@ -126,18 +130,21 @@ def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, logits, aux)
 def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prev: Sweep | None = None,
           prompt_len: int = 1, step_logits: bool = False, checkpoint: bool = False, prompt_grad: bool = False) -> Sweep:
     """One parallel pass of the loop over ids [B, T] (see the module docstring). Runs with or
-    without grad, as the caller's context decides; context K/V from `prev` are detached.
+    without grad, as the caller's context decides. Context K/V from `prev` are used as they are:
+    if `prev` ran with grad, the gradient flows into it (nothing is detached here; a caller that
+    wants a truncated gradient passes a `prev` computed without grad, see shared_kv.training_loss).
     `checkpoint`: activation checkpointing per core step (the recomputation restores the step).
-    `prompt_grad` (with `prev`): the prompt's context K/V come from a fresh pass over the prompt
-    alone, with grad, instead of prev's detached copy: the same values (a prompt never depends on
-    a sweep: full depth, fresh depth-major attention), but the loss of the positions after it now
-    reaches the prompt's K/V (e.g. the final-step K/V that `shared` decode tokens read)."""
+    `prompt_grad` (with a `prev` whose K/V carry no grad): the prompt's context K/V come from a
+    fresh pass over the prompt alone, with grad: the same values (a prompt never depends on a sweep:
+    full depth, fresh depth-major attention), but the loss of the positions after it now reaches the
+    prompt's K/V (e.g. the final-step K/V that `shared` decode tokens read). A `prev` with grad
+    already carries that path, and the fresh pass is skipped."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; supported: {LAYOUTS}")
     if prev is not None:
-        core = [(k.detach(), v.detach()) for k, v in prev.core_kv]
-        coda = [(k.detach(), v.detach()) for k, v in prev.coda_kv]
-        if prompt_grad and prompt_len > 0 and layout != "full_depth":
+        core, coda = list(prev.core_kv), list(prev.coda_kv)
+        prev_has_grad = any(k.requires_grad for k, _ in core)
+        if prompt_grad and not prev_has_grad and prompt_len > 0 and layout != "full_depth" and torch.is_grad_enabled():
             P = min(prompt_len, ids.shape[1])
             pre = sweep(model, ids[:, :P], policy, layout, None, P, checkpoint=checkpoint)
             core = [(torch.cat([pk, k[:, :, P:]], 2), torch.cat([pv, v[:, :, P:]], 2))

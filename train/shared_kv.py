@@ -4,12 +4,18 @@
     python train/shared_kv.py ...                                  (one process, same arguments)
 
 (a) Shared KV layout: at loop step s a decode position attends to earlier positions' exit-depth
-K/V and to its own step-s K/V. Training-time attention (train/kv_emulation.py): pass 1 (no grad,
-`--pass1-sweeps` parallel sweeps, the first an ordinary causal loop) records every position's exit
-depth and its K/V at that depth per core layer; pass 2 (with grad) runs the loop where each core
-attention takes keys/values j < p from pass 1 (detached) and j = p fresh. Approximation: pass 1's
-context is one sweep short of the sequential fixed point and carries no gradient; at the fixed
-point the two passes equal the inference semantics exactly (tests/test_train.py).
+K/V and to its own step-s K/V. Training-time attention (train/kv_emulation.py): `--pass1-sweeps`
+context sweeps (the first an ordinary causal loop) record every position's exit depth and its K/V at
+that depth per core layer; the loss sweep runs the loop where each core attention takes keys/values
+j < p from the last context sweep and j = p fresh. The step's loss is `training_loss` (anyone can
+call it). The context sweeps run with grad (`--context-grad all`, the default): the gradient is the
+exact derivative of the reported loss, including the path through the other tokens' K/V that the
+shared layout asks k_proj / v_proj to change (tests/test_train_gradients.py; before issue 58 the
+context was detached and the k/v gradient was wrong). What stays approximate is the value: the
+context is `--pass1-sweeps` sweeps from the causal start, not the sequential fixed point; how far
+(exit depths that differ, logit and CE gaps) is measured every `--staleness-every` steps and
+logged (`stale_*`). At the fixed point the sweeps equal the inference semantics exactly
+(tests/test_train.py).
 Loss: CE of the logits at each position's exit depth + `--step-loss` x mean CE over all steps.
 
 (b) Exit gate: BCE against "CE at the exit depth minus CE at full depth < --gate-margin", where the
@@ -149,58 +155,194 @@ class Rows:
         return out
 
 
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token CE [B, T]: token_ce (float32) except for float64 logits, kept in float64 so that a
+    float64 model's loss can be differenced finely (tests/test_train_gradients.py)."""
+    if logits.dtype == torch.float64:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    return token_ce(logits, targets)
+
+
+def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1,
+                   pass1_sweeps: int = 2, context_grad: int | None = None, checkpoint: bool = False) -> Sweep | None:
+    """The sweeps that produce the loss sweep's context (`pass1_sweeps` of them, the first an ordinary
+    causal loop). `context_grad`: how many of the LAST context sweeps run with grad (None: all). With
+    all of them, the loss's gradient is the exact derivative of the loss computed (every context K/V
+    carries its graph back to the weights); a smaller number truncates the path through the earlier
+    sweeps (their context becomes a constant), 0 is the old detached context. Inside torch.no_grad()
+    everything runs without grad, as the caller asked."""
+    n_grad = pass1_sweeps if context_grad is None else max(0, min(int(context_grad), pass1_sweeps))
+    cur = None
+    for i in range(pass1_sweeps):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and i >= pass1_sweeps - n_grad):
+            cur = sweep(model, x, policy, layout, cur, prompt_len, checkpoint=checkpoint)
+    return cur
+
+
+@torch.no_grad()
+def staleness(model, x: torch.Tensor, policy: ExitPolicy, layout: str, prompt_len: int, sw: Sweep,
+              targets: torch.Tensor | None = None, mask: torch.Tensor | None = None, rows: int | None = None,
+              tol: float = 1e-3) -> dict:
+    """How far the training sweep `sw` is from the fixed point (the engine's sequential semantics),
+    over the decode positions (>= prompt_len; with `mask` [B, T] the counted targets) of the first
+    `rows` rows: the share of exit depths that differ, the largest and the mean per-position max
+    |logit difference| at the exit, the exit CE difference (training minus fixed point), the sweeps
+    the fixed point took and the seconds spent here (the cost of measuring)."""
+    t0 = time.perf_counter()
+    B = x.shape[0] if rows is None else min(rows, x.shape[0])
+    x = x[:B]
+    # tol: exit depths unchanged and logits within tol for one sweep (bit-exact settling can take T
+    # sweeps in float arithmetic; 1e-3 is far below the gaps measured)
+    fp, n, _ = converge(model, x, policy, layout, prompt_len=prompt_len, max_sweeps=x.shape[1] - prompt_len + 2, tol=tol)
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask[:B].bool().clone()
+    keep[:, :prompt_len] = False
+    out = {"stale_depth_frac": 0.0, "stale_logit_gap": 0.0, "stale_logit_gap_mean": 0.0, "stale_ce_gap": 0.0}
+    if keep.any():
+        gap = (sw.exit_logits[:B].detach().double() - fp.exit_logits.double()).abs().amax(-1)[keep]
+        out.update(stale_depth_frac=float((sw.depths[:B] != fp.depths)[keep].double().mean()),
+                   stale_logit_gap=float(gap.max()), stale_logit_gap_mean=float(gap.mean()))
+        if targets is not None:
+            t = targets[:B]
+            out["stale_ce_gap"] = float((_ce(sw.exit_logits[:B].detach(), t) - _ce(fp.exit_logits, t))[keep].mean())
+    out.update(fixed_point_sweeps=float(n), staleness_s=time.perf_counter() - t0)
+    return out
+
+
+def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None, layout: str = "shared",
+               prompt_len: int = 1, *, mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
+               gate_margin: float = 0.1, gate_grad: str = "head", prompt_grad: bool = False, checkpoint: bool = False,
+               measure_staleness: bool = False, staleness_rows: int | None = 2) -> dict:
+    """The loss sweep against the context `prev` and the losses: a dict with "loss" (what the run
+    reports and backpropagates) and its parts (see training_loss)."""
+    x, tgt = ids[:, :-1], ids[:, 1:]
+    tm = None if mask is None else mask[:, 1:]
+    sw = sweep(model, x, policy, layout, prev, prompt_len, step_logits=True, checkpoint=checkpoint,
+               prompt_grad=prompt_grad)
+    ce_exit = _ce(sw.exit_logits, tgt)
+    ce_steps = torch.stack([_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
+    lm = masked_mean(ce_exit, tm) + step_loss * masked_mean(ce_steps, tm)
+    out = {"lm": lm, "ce_exit": masked_mean(ce_exit, tm).detach(), "ce_full": masked_mean(ce_steps[-1], tm).detach(),
+           "mean_depth": decode_mean(sw.depths.double(), tm, prompt_len)}
+    if train in ("all", "gate") and model.gate_logits(sw.states[0][:1, :1]) is not None:
+        S = len(sw.states)
+        gl = (lambda st: gate_logits_detached(model, st)) if gate_grad == "head" else model.gate_logits
+        g = torch.stack([gl(st) for st in sw.states[:-1]])  # [S-1, B, T]
+        shift = 1 if policy.lookahead else 0
+        c = ce_steps.detach()
+        depth_ce = torch.cat([c[shift:], c[-1:].expand(shift, *c.shape[1:])])[:-1]  # CE at the depth signalled
+        labels = (depth_ce - c[-1:] < gate_margin).double()
+        depth = torch.arange(1, S, device=g.device)[:, None, None] + shift
+        gmask = ((depth >= policy.r_min) & (depth < S)).expand_as(g).clone()
+        gmask[:, :, :prompt_len] = False
+        if tm is not None:
+            gmask &= tm[None]
+        bce = F.binary_cross_entropy_with_logits(g.double(), labels, reduction="none")
+        out["gate"] = (bce * gmask).sum() / gmask.sum().clamp(min=1)
+        out["stop_frac"] = (labels * gmask).sum() / gmask.sum().clamp(min=1)
+        out["_gate_labels"] = labels.bool()
+    else:
+        out["gate"] = torch.zeros((), dtype=torch.float64, device=ids.device)
+    out["loss"] = (lm if train in ("all", "lm") else 0.0) + out["gate"].to(lm.dtype)
+    out["_depths"] = sw.depths
+    if measure_staleness:
+        out.update(staleness(model, x, policy, layout, prompt_len, sw, tgt, tm, staleness_rows))
+    return out
+
+
+def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1, *,
+                  mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
+                  gate_margin: float = 0.1, pass1_sweeps: int = 2, context_grad: int | None = None,
+                  gate_grad: str = "head", prompt_grad: bool = False, checkpoint: bool = False,
+                  measure_staleness: bool = False, staleness_rows: int | None = 2,
+                  parts: dict | None = None) -> torch.Tensor:
+    """The loss of one training step of train/shared_kv.py, the tensor the run reports and backpropagates.
+
+    ids: [B, T+1] token windows (inputs ids[:, :-1], targets ids[:, 1:]); mask [B, T+1]: the tokens
+    that count as targets (None: all); positions < prompt_len are a full-depth prompt. The policy
+    gives the exits (criterion, threshold, r_min, lookahead). `pass1_sweeps` context sweeps
+    (context_sweeps), then the loss sweep: CE at each position's exit depth + `step_loss` x mean CE
+    over all steps (train "all"/"lm"), + the exit gate's BCE (train "all"/"gate"; labels: the CE at
+    the depth signalled within `gate_margin` of full depth's).
+
+    What reaches the parameters is the derivative of this loss, with two named exceptions:
+    - `context_grad` (default None: every context sweep carries grad, nothing truncated): the number
+      of last context sweeps with grad; fewer cut the path through the earlier sweeps' K/V (0: the
+      context is a constant, the behaviour before issue 58; k/v projections then learn only from each
+      token's own fresh K/V, measured in train/README.md).
+    - `gate_grad` (default "head"): the gate's BCE reaches the gate head only (its input state is
+      detached, Huginn's ln_f too): the LM is not bent to make its own exits easier to predict. "all":
+      the BCE's full derivative reaches every parameter.
+    Exit depths and gate labels are discrete: piecewise constant in the weights, no gradient (a
+    finite difference small enough not to flip one sees none either).
+
+    `prompt_grad` matters only with context_grad=0 (kv_emulation.sweep). `checkpoint`: activation
+    checkpointing per core step. `measure_staleness`: the fixed point is computed (no grad) on the
+    first `staleness_rows` rows and the loss sweep compared with it (`staleness`). `parts`: filled
+    with the parts the run logs (lm, ce_exit, ce_full, mean_depth, gate, stop_frac, the staleness)
+    and, under keys starting with "_", the discrete decisions (exit depths, gate labels)."""
+    if gate_grad not in ("head", "all"):
+        raise ValueError(f"gate_grad must be 'head' or 'all', not {gate_grad!r}")
+    prev = context_sweeps(model, ids[:, :-1], policy, layout, prompt_len, pass1_sweeps, context_grad, checkpoint)
+    out = loss_sweep(model, ids, policy, prev, layout, prompt_len, mask=mask, step_loss=step_loss, train=train,
+                     gate_margin=gate_margin, gate_grad=gate_grad, prompt_grad=prompt_grad, checkpoint=checkpoint,
+                     measure_staleness=measure_staleness, staleness_rows=staleness_rows)
+    if parts is not None:
+        parts.update(out)
+    return out["loss"]
+
+
+def fixed_point_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1,
+                     **options) -> torch.Tensor:
+    """training_loss at the exact fixed point: T context sweeps (the dependency is causal, so T
+    sweeps reach the sequential semantics exactly, values and derivatives), all with grad."""
+    options = {k: v for k, v in options.items() if k not in ("pass1_sweeps", "context_grad")}
+    return training_loss(model, ids, policy, layout, prompt_len, pass1_sweeps=ids.shape[1] - 1, context_grad=None,
+                         **options)
+
+
+def loss_options(a: argparse.Namespace) -> dict:
+    """training_loss's options from the script's arguments."""
+    cg = a.context_grad
+    if cg not in (None, "all") and not (str(cg).isdigit()):
+        raise UserError(f"--context-grad {cg!r}: 'all' or a number of sweeps (0: the context detached)")
+    return {"step_loss": a.step_loss, "train": a.train, "gate_margin": a.gate_margin, "pass1_sweeps": a.pass1_sweeps,
+            "context_grad": None if a.context_grad in (None, "all") else int(a.context_grad),
+            "gate_grad": a.gate_grad, "prompt_grad": prompt_grad(a), "checkpoint": a.gradient_checkpointing}
+
+
 class SharedKVObjective(nn.Module):
-    """Wraps the model so DDP/FSDP see one forward: mode "pass1" returns the no-grad sweeps,
-    mode "pass2" the losses."""
+    """Wraps the model so DDP/FSDP see one forward: mode "step" (the training loop's) returns
+    training_loss's parts (the loss under "loss"); "pass1" / "pass2" split it in two calls (the context
+    sweeps, then the loss sweep against them), the same computation."""
 
     def __init__(self, model, a: argparse.Namespace, policy: ExitPolicy):
         super().__init__()
         self.model, self.a, self.policy = model, a, policy
         self.autocast: str | None = None  # the autocast dtype seen in the first forward (mixed precision)
 
-    def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "pass2",
-                mask: torch.Tensor | None = None, prompt_len: int | None = None):
+    def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "step",
+                mask: torch.Tensor | None = None, prompt_len: int | None = None, measure_staleness: bool = False):
         """`mask` [B, T+1] (--loss-mask, rows): the windows' tokens that count as targets (None: all);
         `prompt_len`: the batch's full-depth prompt positions (default --prompt-len; rows: the bucket's)."""
         a, m, pol = self.a, self.model, self.policy
         pl = a.prompt_len if prompt_len is None else prompt_len
-        ids, tgt = batch[:, :-1], batch[:, 1:]
-        tm = None if mask is None else mask[:, 1:]
         if self.autocast is None:
             dev = batch.device.type
             self.autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else "off"
+        opts = loss_options(a)
         if mode == "pass1":
-            with torch.no_grad():
-                cur = None
-                for _ in range(a.pass1_sweeps):
-                    cur = sweep(m, ids, pol, a.layout, cur, pl)
-            return cur
-        sw = sweep(m, ids, pol, a.layout, prev, pl, step_logits=True, checkpoint=a.gradient_checkpointing,
-                   prompt_grad=prompt_grad(a))
-        ce_exit = token_ce(sw.exit_logits, tgt)
-        ce_steps = torch.stack([token_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
-        lm = masked_mean(ce_exit, tm) + a.step_loss * masked_mean(ce_steps, tm)
-        out = {"lm": lm, "ce_exit": masked_mean(ce_exit, tm).detach(), "ce_full": masked_mean(ce_steps[-1], tm).detach(),
-               "mean_depth": decode_mean(sw.depths.double(), tm, pl)}
-        if a.train in ("all", "gate") and m.gate_logits(sw.states[0][:1, :1]) is not None:
-            S = len(sw.states)
-            g = torch.stack([gate_logits_detached(m, s) for s in sw.states[:-1]])  # [S-1, B, T]
-            shift = 1 if a.lookahead else 0
-            c = ce_steps.detach()
-            depth_ce = torch.cat([c[shift:], c[-1:].expand(shift, *c.shape[1:])])[:-1]  # CE at the depth signalled
-            labels = (depth_ce - c[-1:] < a.gate_margin).double()
-            depth = torch.arange(1, S, device=g.device)[:, None, None] + shift
-            mask = ((depth >= a.r_min) & (depth < S)).expand_as(g).clone()
-            mask[:, :, :pl] = False
-            if tm is not None:
-                mask &= tm[None]
-            bce = F.binary_cross_entropy_with_logits(g.double(), labels, reduction="none")
-            out["gate"] = (bce * mask).sum() / mask.sum().clamp(min=1)
-            out["stop_frac"] = (labels * mask).sum() / mask.sum().clamp(min=1)
+            return context_sweeps(m, batch[:, :-1], pol, a.layout, pl, opts["pass1_sweeps"], opts["context_grad"],
+                                  opts["checkpoint"])
+        staleness_rows = getattr(a, "staleness_rows", 2)
+        if mode == "pass2":
+            opts = {k: v for k, v in opts.items() if k not in ("pass1_sweeps", "context_grad")}
+            out = loss_sweep(m, batch, pol, prev, a.layout, pl, mask=mask, measure_staleness=measure_staleness,
+                             staleness_rows=staleness_rows, **opts)
         else:
-            out["gate"] = torch.zeros((), dtype=torch.float64)
-        out["loss"] = (lm if a.train in ("all", "lm") else 0.0) + out["gate"].float()
-        return out
+            out = {}
+            training_loss(m, batch, pol, a.layout, pl, mask=mask, measure_staleness=measure_staleness,
+                          staleness_rows=staleness_rows, parts=out, **opts)
+        return {k: v for k, v in out.items() if not k.startswith("_")}
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -305,7 +447,21 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--target-mean-depth", type=float, default=None, help="choose the threshold for this")
     p.add_argument("--gate-margin", type=float, default=0.1)
     p.add_argument("--step-loss", type=float, default=0.5, help="weight of the mean CE over all steps")
-    p.add_argument("--pass1-sweeps", type=int, default=2)
+    p.add_argument("--pass1-sweeps", type=int, default=2,
+                   help="context sweeps before the loss sweep (the first a causal loop); see --staleness-every")
+    p.add_argument("--context-grad", default="all",
+                   help="how many of the last context sweeps carry grad: all (default: the gradient is the exact "
+                        "derivative of the reported loss) or a number (0: the context detached, as before issue 58)")
+    p.add_argument("--gate-grad", choices=["head", "all"], default="head",
+                   help="the gate BCE's gradient: head (default: the gate head only, its input state detached) or all")
+    p.add_argument("--staleness-every", type=int, default=10,
+                   help="every N steps compare the training sweep with the fixed point (no grad; logged as stale_*); 0: never")
+    p.add_argument("--staleness-rows", type=int, default=2, help="rows of the batch the staleness is measured on")
+    p.add_argument("--max-stale-depth", type=float, default=None,
+                   help="bound on the share of exit depths that differ from the fixed point: when a staleness "
+                        "measurement (largest over ranks) exceeds it, --pass1-sweeps grows by one (up to "
+                        "--max-pass1-sweeps) for the rest of the run; default: off")
+    p.add_argument("--max-pass1-sweeps", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1, help="positions run as a full-depth prompt")
     p.add_argument("--prompt-grad", choices=["auto", "on", "off"], default="auto",
                    help="pass 2 reads the prompt's context K/V from a fresh pass over the prompt, with grad (same "
@@ -388,7 +544,7 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
-            "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+            "context_grad", "gate_grad", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
@@ -510,7 +666,9 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     step = 0
     if ck is not None:
         acc.load_state(str(ck))
-        step = json.loads((ck / "meta.json").read_text())["step"]
+        meta_ck = json.loads((ck / "meta.json").read_text())
+        step = meta_ck["step"]
+        a.pass1_sweeps = meta_ck.get("pass1_sweeps", a.pass1_sweeps)  # as --max-stale-depth left it
         hist.truncate(step)
         acc.print(f"resumed from {ck} at step {step}")
     t0, ran, logs, first_batch = time.time(), 0, [], None
@@ -524,8 +682,15 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         if first_batch is None:
             first_batch = batch.tolist()
         obj.train()
-        prev = obj(batch, mode="pass1", prompt_len=pl)
-        out = obj(batch, prev, mode="pass2", mask=bmask, prompt_len=pl)
+        stale = bool(a.staleness_every) and (step + 1) % a.staleness_every == 0
+        out = obj(batch, mask=bmask, prompt_len=pl, measure_staleness=stale)  # training_loss and its parts
+        out["pass1_sweeps"] = a.pass1_sweeps
+        if stale and a.max_stale_depth is not None:
+            worst = acc.reduce(torch.tensor(float(out["stale_depth_frac"]), device=acc.device), "max")
+            if float(worst) > a.max_stale_depth and a.pass1_sweeps < a.max_pass1_sweeps:
+                a.pass1_sweeps += 1  # the staleness bound: one more context sweep from the next step on
+                acc.print(f"step {step + 1}: stale depth share {float(worst):.3f} > {a.max_stale_depth}: "
+                          f"--pass1-sweeps now {a.pass1_sweeps}")
         opt.zero_grad(set_to_none=True)
         acc.backward(out["loss"])
         acc.clip_grad_norm_(obj.parameters(), a.clip)
@@ -534,7 +699,8 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         step, ran = step + 1, ran + 1
         logs.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in out.items()})
         if step % a.log_every == 0 or step == a.steps:
-            rec = {"step": step, **{k: float(np.mean([x[k] for x in logs])) for k in logs[0]},
+            keys = list(dict.fromkeys(k for x in logs for k in x))  # the staleness keys: on measured steps only
+            rec = {"step": step, **{k: float(np.mean([x[k] for x in logs if k in x])) for k in keys},
                    "time_s": round(time.time() - t0, 1)}
             logs = []
             if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
@@ -552,7 +718,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
             d = a.output / "checkpoints" / f"step_{step:06d}"
             acc.save_state(str(d))
             if acc.is_main_process:
-                (d / "meta.json").write_text(json.dumps({"step": step}))
+                (d / "meta.json").write_text(json.dumps({"step": step, "pass1_sweeps": a.pass1_sweeps}))
                 cks = sorted((a.output / "checkpoints").glob("step_*"), key=lambda c: int(c.name.split("_")[1]))
                 for old in cks[:-a.keep]:
                     shutil.rmtree(old, ignore_errors=True)
@@ -576,7 +742,8 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
                "gradient_checkpointing": a.gradient_checkpointing,
                "rank_param_bytes": bytes_per_rank, "model_param_bytes": sum(p.numel() * p.element_size()
                                                                              for p in {id(p): p for p in model.parameters()}.values()),
-               "layout": a.layout, "lookahead": a.lookahead,
+               "layout": a.layout, "lookahead": a.lookahead, "pass1_sweeps_final": a.pass1_sweeps,
+               "context_grad": a.context_grad, "gate_grad": a.gate_grad,
                "data": {k: v for k, v in meta.items() if k != "key"}, "first_batch_rank0": first_batch}
     stale = [k for k in ("lookahead_gate", "preloop_gate") if getattr(model.cfg, k, False)]
     if stale:  # heads distilled (train/distill_gate.py) from the model before this fine-tuning
