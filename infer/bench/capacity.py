@@ -35,6 +35,7 @@ import numpy as np
 
 from infer.engine.config import coda_batch_arg
 from infer.sim.cost import HOST_JSON, HostCost, RooflineCost, h100_kv_tokens
+from infer.sim.dispatch import Dispatch
 from infer.sim.runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
 from infer.sim.simulate import served_context, simulate_mode
 from infer.sim.workloads import WORKLOADS, make_requests
@@ -83,7 +84,8 @@ def sim_knees(model: str, workload: str, num_requests: int = 1024, seed: int = 0
     ctx = served_context(cfg, engine)
     reqs = make_requests(workload, num_requests, seed=seed, scale=1.0, max_model_len=ctx, vocab_size=cfg.vocab_size)
     depths = depths_from_distribution(binomial_depths(cfg.r_max, ASSUMED_MEAN_DEPTH[model]), reqs, seed)
-    cost = RooflineCost(cfg, host=HostCost.from_json(HOST_JSON) if HOST_JSON.exists() else None, attention=ATTENTION)
+    cost = RooflineCost(cfg, host=HostCost.from_json(HOST_JSON) if HOST_JSON.exists() else None, attention=ATTENTION,
+                        dispatch=Dispatch())
     out = {}
     for m in modes(model, workload, k, ks):
         # as the emulated server runs: its CPU path (no re-entry), host and device in series

@@ -93,13 +93,14 @@ def main(argv: list[str] | None = None) -> None:
             kw["max_prefill_tokens"] = a.budget
         if a.engine == "sim":
             from infer.sim.cost import RooflineCost, h100_kv_tokens
+            from infer.sim.dispatch import Dispatch
             from infer.sim.runner import SimModel, SimRunner, binomial_depths
             cfg = paper_config(a.model, max_position=a.prompt_len + 1024)
             probs = binomial_depths(cfg.r_max, 2.5 if cfg.r_max == 4 else cfg.r_max / 2)
             drng = random.Random(a.seed)
             ds, ws = zip(*sorted(probs.items()))
             depths = [[cfg.r_max] + drng.choices(ds, ws, k=4000) for _ in range(a.running + 1)]
-            cost = RooflineCost(cfg)
+            cost = RooflineCost(cfg, attention="paged", dispatch=Dispatch())  # (the engine's CUDA defaults)
             eng = LLMEngine(SimModel(cfg), EngineConfig(**kw, kv_cache_tokens=h100_kv_tokens(cfg), exit_criterion="learned",
                                                         exit_threshold=0.5),
                             runner_cls=partial(SimRunner, cost=cost, depths=depths))

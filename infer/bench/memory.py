@@ -67,6 +67,7 @@ def main(argv=None) -> dict:
     base = engine_kwargs_from_args(a)
     if a.sim:
         from infer.sim.cost import RooflineCost, h100_kv_tokens
+        from infer.sim.dispatch import Dispatch
         from infer.sim.runner import ASSUMED_MEAN_DEPTH, SIM_EXITS, SimModel, SimRunner, binomial_depths, depths_from_distribution
         from infer.sim.simulate import served_context
         cfg = paper_config(a.model) if a.model in PAPER_MODELS else load_model(a.model)[0].cfg
@@ -78,7 +79,8 @@ def main(argv=None) -> dict:
                                           reqs, a.seed)
 
         def engine(reserve):
-            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=layout), depths=depths,
+            runner = partial(SimRunner, cost=RooflineCost(cfg, kv_layout=layout, attention="paged", dispatch=Dispatch()),
+                             depths=depths,
                              pcie_bandwidth=a.pcie_bandwidth)
             return LLMEngine(SimModel(cfg), EngineConfig(**base, reserve_kv=reserve), runner_cls=runner)
 

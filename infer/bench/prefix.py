@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
            "command": "python -m infer.bench.prefix " + " ".join(argv if argv is not None else sys.argv[1:])}
     if sim:
         from infer.sim.cost import RooflineCost, h100_kv_tokens
+        from infer.sim.dispatch import Dispatch
         from infer.sim.runner import ASSUMED_MEAN_DEPTH, SimModel, SimRunner, binomial_depths, depths_from_distribution
         cfg = paper_config(a.model, max_position=max(ctx, 2048))
         vocab = cfg.vocab_size
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
             depths = depths_from_distribution(binomial_depths(cfg.r_max, ASSUMED_MEAN_DEPTH.get(a.model, cfg.r_max / 2)),
                                               reqs, a.seed)
             eng = LLMEngine(SimModel(cfg), EngineConfig(**kw, kv_cache_tokens=h100_kv_tokens(cfg), exit_criterion="learned"),
-                            runner_cls=partial(SimRunner, cost=RooflineCost(cfg), depths=depths))
+                            runner_cls=partial(SimRunner, cost=RooflineCost(cfg, attention="paged", dispatch=Dispatch()),
+                                               depths=depths))
             clock = (lambda e=eng: e.runner.clock)
             wait = (lambda t, e=eng: setattr(e.runner, "clock", max(e.runner.clock, t)))
         else:
