@@ -62,7 +62,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from infer import EngineConfig, LLMEngine, SamplingParams
 from infer.bench.offline import make_engine, pick_raw, run_engine, untraced_timing
@@ -72,6 +71,7 @@ from infer.engine.reference import reference_generate
 from infer.engine.sequence import Stage
 from infer.sim import bounds as B
 from infer.sim import replay as RP
+from infer.sim.dispatch import OpCounter
 from infer.sim.emulated import ReplayedDepths
 from infer.sim.report import model_meta
 from infer.sim.runner import ASSUMED_MEAN_DEPTH, binomial_depths, depths_from_distribution
@@ -302,54 +302,13 @@ def stand_in(dev: torch.device, graphs: bool = True):
 
 
 # ---------------------------------------------------------------------------------- autograd check
-def _tensors(v, path: str, depth: int = 0):
-    """(path, tensor) of `v` and of the dicts, lists and tuples in it (3 levels)."""
-    if isinstance(v, torch.Tensor):
-        yield path, v
-    elif depth < 3 and isinstance(v, dict):
-        for k, x in v.items():
-            yield from _tensors(x, f"{path}[{k!r}]", depth + 1)
-    elif depth < 3 and isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            yield from _tensors(x, f"{path}[{i}]", depth + 1)
-
-
-def _attrs(obj) -> dict:
-    if obj is None:
-        return {}
-    if hasattr(obj, "__dict__"):
-        return vars(obj)
-    return {s: getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s)}
-
-
 def autograd_problems(eng) -> list[str]:
     """What of an engine holds or makes autograd state (empty: nothing): a model parameter that
-    requires grad, and any tensor of the runner, its KV layout, its batch state (their attributes,
-    and the dicts / lists / tuples in them: runner.state, .inj, .aux, the KV pool, block tables) or
-    of its graphs' static outputs with a grad_fn or requires_grad. A capture with autograd on
-    chains every saved activation to the runner's buffers (issue 62: ~1 TiB at Ouro-1.4B's shape)."""
+    requires grad (loaders freeze them), and what graphs.autograd_leaks finds in its runner."""
     out = [f"parameter {n} requires grad" for n, p in eng.model.named_parameters() if p.requires_grad]
     if len(out) > 5:
         out = out[:5] + [f"... {len(out) - 5} more parameters require grad"]
-    r = eng.runner
-    roots = [("runner", r), ("runner.layout", getattr(r, "layout", None)),
-             ("runner.batch_state", getattr(r, "batch_state", None))]
-    seen: set[int] = set()
-    for owner, obj in roots:
-        for name, v in _attrs(obj).items():
-            for path, t in _tensors(v, f"{owner}.{name}"):
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                if t.grad_fn is not None or t.requires_grad:
-                    out.append(f"{path}: " + (f"grad_fn {type(t.grad_fn).__name__}" if t.grad_fn is not None
-                                              else "requires_grad"))
-    g = getattr(r, "graphs", None)
-    for key, entry in (getattr(g, "graphs", None) or {}).items():
-        for path, t in _tensors(entry, f"graph {key}"):
-            if t.grad_fn is not None or t.requires_grad:
-                out.append(f"{path}: {'grad_fn' if t.grad_fn is not None else 'requires_grad'}")
-    return out
+    return out + graph_cache.autograd_leaks(eng.runner)
 
 
 def check_autograd(run: Run, eng, where: str, when: str) -> bool:
@@ -369,19 +328,6 @@ def check_autograd(run: Run, eng, where: str, when: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------- dispatch cost
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched (a higher-order op counts as one, as infer/sim/dispatch.py's)."""
-    supports_higher_order_operators = True
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -191,17 +191,45 @@ def use_stand_in():
 
 
 def autograd_leaks(runner) -> list[str]:
-    """What of a runner holds autograd state (empty: nothing): each tensor of the runner, its KV
-    layout and batch state with a grad_fn or requires_grad, and each graph output that does (a
-    capture with autograd on chains every saved activation to them). Weights that require grad are
-    no leak by themselves (a model handed to LLMEngine may): what autograd recorded on them is."""
-    out = []
-    for owner, obj in (("runner", runner), ("layout", runner.layout), ("batch_state", runner.batch_state)):
-        for name, v in vars(obj).items():
-            if isinstance(v, torch.Tensor) and (v.grad_fn is not None or v.requires_grad):
-                out.append(f"{owner}.{name}")
-    g = runner.graphs
-    for key, entry in (g.graphs.items() if g is not None else ()):
-        if any(isinstance(t, torch.Tensor) and (t.grad_fn is not None or t.requires_grad) for t in entry):
-            out.append(f"graph {key[0].value} {key[1:]}")
+    """What of a runner holds autograd state (empty: nothing): each tensor of the runner, its KV layout
+    and batch state (their attributes, and the dicts / lists / tuples in them, 3 levels) and of its
+    graphs' entries (static inputs and outputs) with a grad_fn or requires_grad. A capture with autograd
+    on chains every saved activation to the runner's buffers (issue 62: ~1 TiB at Ouro-1.4B's shape).
+    Weights that require grad are no leak by themselves (a model handed to LLMEngine may): what autograd
+    recorded on them is."""
+    roots = [("runner", runner), ("runner.layout", getattr(runner, "layout", None)),
+             ("runner.batch_state", getattr(runner, "batch_state", None))]
+    out, seen = [], set()
+    for owner, obj in roots:
+        for name, v in _attrs(obj).items():
+            for path, t in _tensors(v, f"{owner}.{name}"):
+                if id(t) not in seen and (t.grad_fn is not None or t.requires_grad):
+                    out.append(f"{path}: " + (f"grad_fn {type(t.grad_fn).__name__}" if t.grad_fn is not None
+                                              else "requires_grad"))
+                seen.add(id(t))
+    g = getattr(runner, "graphs", None)
+    for key, entry in (getattr(g, "graphs", None) or {}).items():
+        for path, t in _tensors(entry, f"graph {key[0].value} {key[1:]}"):
+            if t.grad_fn is not None or t.requires_grad:
+                out.append(f"{path}: {'grad_fn' if t.grad_fn is not None else 'requires_grad'}")
     return out
+
+
+def _tensors(v, path: str, depth: int = 0):
+    """(path, tensor) of `v` and of the dicts, lists and tuples in it (3 levels)."""
+    if isinstance(v, torch.Tensor):
+        yield path, v
+    elif depth < 3 and isinstance(v, dict):
+        for k, x in v.items():
+            yield from _tensors(x, f"{path}[{k!r}]", depth + 1)
+    elif depth < 3 and isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            yield from _tensors(x, f"{path}[{i}]", depth + 1)
+
+
+def _attrs(obj) -> dict:
+    if obj is None:
+        return {}
+    if hasattr(obj, "__dict__"):
+        return vars(obj)
+    return {s: getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s)}
