@@ -172,3 +172,36 @@ def test_objective_step_equals_training_loss_and_logs_staleness():
     parts: dict = {}
     training_loss(m, ids, pol, pass1_sweeps=ids.shape[1], measure_staleness=True, parts=parts)
     assert parts["stale_depth_frac"] == 0.0 and parts["stale_logit_gap"] < 1e-4
+
+
+def test_script_logs_staleness_and_bounds_it_with_sweeps(tmp_path):
+    """train/shared_kv.py: the staleness is logged (stale_* in history.json) and --max-stale-depth
+    grows --pass1-sweeps when a measurement exceeds it (kept in the checkpoint's meta.json)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from looplm import save_pretrained, tiny_model
+    repo = Path(__file__).resolve().parents[1]
+    save_pretrained(tiny_model("ouro-tiny", std=0.05, exit_criterion="learned", exit_threshold=0.6), tmp_path / "model")
+    np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint16))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "train/shared_kv.py", "--model", str(tmp_path / "model"), "--output", str(out), "--tokens",
+           str(tmp_path / "tok.npy"), "--steps", "2", "--batch", "2", "--ctx", "16", "--log-every", "1",
+           "--eval-every", "0", "--eval-windows", "2", "--threads", "1", "--warmup", "1", "--no-wandb",
+           "--staleness-every", "1", "--max-stale-depth", "0.0", "--max-pass1-sweeps", "3"]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hist = [h for h in json.loads((out / "history.json").read_text()) if "loss" in h]  # the training records
+    assert [h["step"] for h in hist] == [1, 2]
+    print(hist)
+    assert all("stale_depth_frac" in h and "stale_logit_gap" in h for h in hist)
+    assert hist[0]["stale_depth_frac"] > 0 and hist[0]["pass1_sweeps"] == 2 and hist[1]["pass1_sweeps"] == 3
+    meta = json.loads(next((out / "checkpoints").glob("step_*/meta.json")).read_text())
+    assert meta["pass1_sweeps"] == 3
+    assert json.loads((out / "summary.json").read_text())["pass1_sweeps_final"] == 3
