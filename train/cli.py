@@ -96,23 +96,14 @@ def _opt(cmd: list[str], *names: str) -> str | None:
     return None
 
 
-def requested_processes(cmd: list[str] | None = None) -> int | None:
-    """How many processes an `accelerate launch` command line asked for (flag, else its config
-    file, else accelerate's default config file); None when unknown or not an accelerate launch."""
-    cmd = parent_cmdline() if cmd is None else cmd
-    if not _is_accelerate_launch(cmd):
-        return None
+def _launch_args_and_config(cmd: list[str]) -> tuple[list[str], dict | None]:
+    """An `accelerate launch` command line's own arguments (before the script) and its config file
+    (else accelerate's default config file) as a dict; None when there is none or it is unreadable."""
     try:
         script_at = next(i for i, t in enumerate(cmd) if t.endswith(".py") and "accelerate" not in t)
     except StopIteration:
         script_at = len(cmd)
     launch_args = cmd[:script_at]
-    n = _opt(launch_args, "--num_processes", "--num-processes")
-    if n is not None:
-        try:
-            return int(n)
-        except ValueError:
-            return None
     cfg = _opt(launch_args, "--config_file", "--config-file")
     if cfg is None:
         home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
@@ -122,13 +113,41 @@ def requested_processes(cmd: list[str] | None = None) -> int | None:
                 cfg = str(p)
                 break
     if cfg is None:
-        return None
+        return launch_args, None
     try:
         import yaml
         d = yaml.safe_load(Path(cfg).read_text()) if not cfg.endswith(".json") else json.loads(Path(cfg).read_text())
-        return int(d.get("num_processes", 1)) if isinstance(d, dict) else None
+        return launch_args, d if isinstance(d, dict) else None
     except Exception:  # noqa: BLE001 - unreadable config: unknown
+        return launch_args, None
+
+
+def requested_processes(cmd: list[str] | None = None) -> int | None:
+    """How many processes an `accelerate launch` command line asked for (flag, else its config
+    file, else accelerate's default config file); None when unknown or not an accelerate launch."""
+    cmd = parent_cmdline() if cmd is None else cmd
+    if not _is_accelerate_launch(cmd):
         return None
+    launch_args, cfg = _launch_args_and_config(cmd)
+    n = _opt(launch_args, "--num_processes", "--num-processes")
+    if n is None and cfg is not None:
+        n = cfg.get("num_processes", 1)
+    try:
+        return int(n) if n is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def launcher_mixed_precision(cmd: list[str] | None = None) -> str | None:
+    """The mixed precision the launch chose (its --mixed_precision flag or config file); None when it
+    chose none: `accelerate launch` then sets ACCELERATE_MIXED_PRECISION=no by default, which is not a
+    choice. Another launcher (torchrun) with ACCELERATE_MIXED_PRECISION set: that value."""
+    cmd = parent_cmdline() if cmd is None else cmd
+    if _is_accelerate_launch(cmd):
+        launch_args, cfg = _launch_args_and_config(cmd)
+        v = _opt(launch_args, "--mixed_precision", "--mixed-precision")
+        return v if v is not None else (str(cfg["mixed_precision"]) if cfg and cfg.get("mixed_precision") else None)
+    return os.environ.get("ACCELERATE_MIXED_PRECISION") or None
 
 
 def check_launch(acc, script: str) -> None:

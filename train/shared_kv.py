@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import replace
-from looplm.io import load_pretrained, load_tokenizer, save_pretrained
+from looplm.io import load_pretrained, load_tokenizer, model_from_state, resolve_dtype, save_pretrained
 from looplm.policy import ExitPolicy
 from train import cli
 from looplm.cli import UserError
@@ -467,7 +467,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="pass 2 reads the prompt's context K/V from a fresh pass over the prompt, with grad (same "
                         "values; the decode tokens' loss reaches the prompt's K/V); auto: on with --rows")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=8, help="per process")
+    p.add_argument("--batch", type=int, default=8, help="per process and micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches of --batch per optimizer step (accelerate's accumulate): one step sees "
+                        "batch x grad-accum x processes sequences; --steps, the lr schedule and the logs count "
+                        "optimizer steps")
     p.add_argument("--ctx", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--gate-lr", type=float, default=3e-3)
@@ -501,9 +505,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="weights dtype while training")
-    p.add_argument("--save-dtype", default="float32")
+    p.add_argument("--save-dtype", default="bfloat16",
+                   help="dtype of the saved model (default bfloat16, the releases'; float32 keeps the trained weights exactly)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="the saved model's safetensors shard limit (HF spelling: 5GB, 500MB, or bytes); a larger "
+                        "model is written as shards with model.safetensors.index.json")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
-                   help="autocast (default: the launcher's / accelerate config's, else no)")
+                   help="autocast (default: the launcher's / accelerate config's, else bf16 on CUDA (TF32 on) "
+                        "and no on CPU)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each core step's activations in the backward pass")
     p.add_argument("--no-wandb", action="store_true")
@@ -547,18 +556,22 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             "context_grad", "gate_grad", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
-            **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
+            **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size,
+            # only when set: runs from before --grad-accum (no such key) stay resumable
+            **({"grad_accum": a.grad_accum} if a.grad_accum != 1 else {})}
 
 
 def local_param_bytes(module: nn.Module) -> int:
     """Bytes of the parameters this rank holds (an FSDP rank: its shard; DDP: the whole model)."""
+    from torch.distributed.tensor import DTensor
     seen, total = set(), 0
     flat = [m for m in module.modules() if hasattr(m, "_flat_param") or type(m).__name__ == "FlatParameter"]
     for p in module.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel() * p.element_size()
+        t = p.to_local() if isinstance(p, DTensor) else p  # FSDP2: a DTensor whose local part is this rank's shard
+        total += t.numel() * t.element_size()
     if flat:  # FSDP1 (use_orig_params): the original params are views; count the local flat shards
         shards = {id(m._flat_param): m._flat_param for m in flat if getattr(m, "_flat_param", None) is not None}
         total = sum(fp._local_shard.numel() * fp._local_shard.element_size() if hasattr(fp, "_local_shard")
@@ -566,19 +579,90 @@ def local_param_bytes(module: nn.Module) -> int:
     return int(total)
 
 
+def choose_mixed_precision(cuda: bool, flag: str | None, launcher: str | None) -> str:
+    """The autocast mode: --mixed-precision, else the launcher's choice, else bf16 on CUDA (the
+    releases' dtype; halves activations and runs on tensor cores) and no on CPU."""
+    if flag is not None:
+        return flag
+    if launcher is not None:
+        return launcher
+    return "bf16" if cuda else "no"
+
+
+def shard_bytes(size: str) -> int:
+    """HF's max_shard_size spelling ("5GB", "500MB", "10KB", "5GiB", or bytes) in bytes."""
+    s = str(size).strip().upper()
+    for unit, mult in (("GIB", 2 ** 30), ("MIB", 2 ** 20), ("KIB", 2 ** 10), ("GB", 10 ** 9), ("MB", 10 ** 6),
+                       ("KB", 10 ** 3), ("B", 1)):
+        if s.endswith(unit):
+            s, scale = s[:-len(unit)], mult
+            break
+    else:
+        scale = 1
+    try:
+        n = int(float(s) * scale)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise UserError(f"--max-shard-size {size!r}: a size such as 5GB, 500MB or a number of bytes")
+    return n
+
+
+def check_output_arg(output: Path, model: Path) -> None:
+    """The input folder is never written: --output may be neither --model nor inside it."""
+    if model.exists():
+        out, src = output.resolve(), model.resolve()
+        if out == src or src in out.parents:
+            raise UserError(f"--output {output} is {'--model' if out == src else 'inside --model'} ({model}): "
+                            "the input folder is never written; pass another --output")
+
+
+def optimizer_step(acc, obj, opt, sched, micros: list, clip: float, stale: bool = False) -> list[dict]:
+    """One optimizer step over `micros`, the --grad-accum micro-batches [(batch, mask, prompt_len)]:
+    accelerate's accumulate scales each loss by 1/N and syncs gradients (DDP / FSDP) on the last one
+    only; the optimizer and the lr schedule step once. Returns each micro-batch's loss parts (floats);
+    the staleness is measured on the first."""
+    outs = []
+    for i, (batch, mask, pl) in enumerate(micros):
+        with acc.accumulate(obj):
+            out = obj(batch, mask=mask, prompt_len=pl, measure_staleness=stale and i == 0)
+            acc.backward(out["loss"])
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(obj.parameters(), clip)
+            opt.step()  # accelerate's optimizer skips the step (and zero_grad) until the last micro-batch
+            opt.zero_grad(set_to_none=True)
+        outs.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in out.items()})
+    if not acc.sync_gradients:
+        raise RuntimeError(f"{len(micros)} micro-batches do not end an accumulation of {acc.gradient_accumulation_steps}")
+    sched.step()
+    return outs
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     check_model_arg(a.model)
+    check_output_arg(a.output, a.model)
+    if a.grad_accum < 1:
+        raise UserError(f"--grad-accum {a.grad_accum}: at least 1")
+    shard_bytes(a.max_shard_size)
     cli.die_with_launcher()
     if a.threads:
         torch.set_num_threads(a.threads)
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=a.mixed_precision)
+    cuda = torch.cuda.is_available()
+    if cuda:  # TF32 matmuls on Ampere+ (float32 weights' matmuls, the optimizer's): ~10 bits of mantissa
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # the scheduler is stepped by hand once per optimizer step (accelerate's would step once per
+    # process: the lr decayed num_processes times too fast on several ranks)
+    acc = Accelerator(cpu=not cuda, mixed_precision=choose_mixed_precision(cuda, a.mixed_precision,
+                                                                           cli.launcher_mixed_precision()),
+                      gradient_accumulation_steps=a.grad_accum, step_scheduler_with_optimizer=False)
     cli.check_launch(acc, "train/shared_kv.py")
     cli.fsdp_on_cpu(acc)
     fsdp = acc.distributed_type == DistributedType.FSDP
-    cli.banner(acc, "train/shared_kv.py", f"gradient_checkpointing={a.gradient_checkpointing}")
+    cli.banner(acc, "train/shared_kv.py", f"gradient_checkpointing={a.gradient_checkpointing} grad_accum={a.grad_accum}")
     tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
     ident = identity(a, tok_dir, acc.num_processes)
     summary_file = a.output / "summary.json"
@@ -636,8 +720,6 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         hist.records = []
         hist.log(rec)
         acc.print(json.dumps(rec))
-    # FSDP shards the parameters in place: evaluation and saving use a full copy on the main rank
-    shadow = copy.deepcopy(model).eval() if fsdp and acc.is_main_process else None
     lm_p = [p for n, p in model.named_parameters() if p.requires_grad and n not in gate_names]
     gate_p = [p for n, p in model.named_parameters() if p.requires_grad and n in gate_names]
     groups = [g for g in ({"params": lm_p, "lr": a.lr, "weight_decay": a.wd},
@@ -645,21 +727,32 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / a.warmup) * max(0.1, 1.0 - s / max(1, a.steps)))
-    obj, opt, sched = acc.prepare(SharedKVObjective(model, a, policy), opt, sched)
+    obj = SharedKVObjective(model, a, policy)
+    # FSDP's transformer-based wrap (train/configs/*fsdp*.yaml, no class names there): one unit per
+    # block; accelerate reads the class names from `_no_split_modules` and keeps the ones present
+    obj._no_split_modules = ["OuroLayer", "SandwichBlock"]
+    obj, opt, sched = acc.prepare(obj, opt, sched)
     param_bytes = local_param_bytes(obj)
+    cfg0 = model.cfg
 
     def full_model():
-        """The whole model on the main rank (a collective under FSDP: every rank calls it)."""
+        """The whole model on the main rank, None elsewhere (a collective under FSDP: every rank calls
+        it). FSDP ranks hold shards only: the full weights are gathered to the main rank's CPU into a
+        model built for this call (no full copy kept between evaluations)."""
         if not fsdp:
             return acc.unwrap_model(obj).model
-        # (accelerate's get_state_dict returned the local shard views on CPU ranks here; gathering
-        # the parameters with summon_full_params is the collective that works on gloo)
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        with FSDP.summon_full_params(obj, writeback=False):
-            if shadow is not None:
+        if getattr(acc.state.fsdp_plugin, "fsdp_version", 1) == 2:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            inner = acc.unwrap_model(obj).model
+            state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:  # FSDP1: summon_full_params is the gather that works on gloo (get_state_dict gave shard views)
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            with FSDP.summon_full_params(obj, writeback=False):
                 inner = acc.unwrap_model(obj).model
-                shadow.load_state_dict({k: v.detach().clone() for k, v in inner.state_dict().items()})
-        return shadow
+                state = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()} if acc.is_main_process else {}
+        if not acc.is_main_process:
+            return None
+        return model_from_state(cfg0, dict(state), a.dtype, "cpu").eval()
 
     wb = init_wandb(a.output, "looplm-shared-kv", vars(a) | {"world_size": acc.num_processes},
                     enabled=not a.no_wandb and acc.is_main_process)
@@ -673,17 +766,22 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         acc.print(f"resumed from {ck} at step {step}")
     t0, ran, logs, first_batch = time.time(), 0, [], None
     while step < a.steps and (a.max_steps_this_run is None or ran < a.max_steps_this_run):
-        seed = [a.seed, step, acc.process_index]
-        if rows:
-            batch, bmask, pl = data.batch(a.batch, seed)
-        else:
-            batch, bmask, pl = data.batch(a.batch, a.ctx, seed), data.batch_mask(a.batch, a.ctx, seed), a.prompt_len
-        batch, bmask = batch.to(acc.device), None if bmask is None else bmask.to(acc.device)
+        micros = []
+        for micro in range(a.grad_accum):
+            # micro-batch 0 keeps the seed of the runs before --grad-accum (same data at --grad-accum 1)
+            seed = [a.seed, step, acc.process_index] + ([micro] if micro else [])
+            if rows:
+                batch, bmask, pl = data.batch(a.batch, seed)
+            else:
+                batch, bmask, pl = data.batch(a.batch, a.ctx, seed), data.batch_mask(a.batch, a.ctx, seed), a.prompt_len
+            micros.append((batch.to(acc.device), None if bmask is None else bmask.to(acc.device), pl))
         if first_batch is None:
-            first_batch = batch.tolist()
+            first_batch = micros[0][0].tolist()
         obj.train()
         stale = bool(a.staleness_every) and (step + 1) % a.staleness_every == 0
-        out = obj(batch, mask=bmask, prompt_len=pl, measure_staleness=stale)  # training_loss and its parts
+        outs = optimizer_step(acc, obj, opt, sched, micros, a.clip, stale)  # training_loss's parts per micro-batch
+        # the step's record: the mean over its micro-batches (the staleness: micro-batch 0's)
+        out = {k: float(np.mean([o[k] for o in outs if k in o])) for k in dict.fromkeys(k for o in outs for k in o)}
         out["pass1_sweeps"] = a.pass1_sweeps
         if stale and a.max_stale_depth is not None:
             worst = acc.reduce(torch.tensor(float(out["stale_depth_frac"]), device=acc.device), "max")
@@ -691,13 +789,8 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
                 a.pass1_sweeps += 1  # the staleness bound: one more context sweep from the next step on
                 acc.print(f"step {step + 1}: stale depth share {float(worst):.3f} > {a.max_stale_depth}: "
                           f"--pass1-sweeps now {a.pass1_sweeps}")
-        opt.zero_grad(set_to_none=True)
-        acc.backward(out["loss"])
-        acc.clip_grad_norm_(obj.parameters(), a.clip)
-        opt.step()
-        sched.step()
         step, ran = step + 1, ran + 1
-        logs.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in out.items()})
+        logs.append(out)
         if step % a.log_every == 0 or step == a.steps:
             keys = list(dict.fromkeys(k for x in logs for k in x))  # the staleness keys: on measured steps only
             rec = {"step": step, **{k: float(np.mean([x[k] for x in logs if k in x])) for k in keys},
@@ -760,7 +853,12 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     else:  # an older LoopConfig: the keys ride in `extra`
         model.cfg = replace(model.cfg, **cfg_kw, extra={**model.cfg.extra, "exit_lookahead": a.lookahead,
                                                        "kv_layout": a.layout})
-    save_pretrained(model, a.output, dtype=a.save_dtype, tokenizer=load_tokenizer(a.model))
+    limit = shard_bytes(a.max_shard_size)
+    size = sum(v.numel() * torch.empty((), dtype=resolve_dtype(a.save_dtype)).element_size()
+               for v in model.state_dict().values())
+    # one model.safetensors when it fits the limit (as HF writes it), else shards and an index
+    save_pretrained(model, a.output, dtype=a.save_dtype, tokenizer=load_tokenizer(a.model),
+                    max_shard_bytes=limit if size > limit else None)
     (a.output / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("threshold_grid", "first_batch_rank0")}))
     if wb is not None:
