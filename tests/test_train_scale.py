@@ -149,3 +149,24 @@ def test_output_inside_model_is_refused(tiny):
         with pytest.raises(Exception, match="the input folder is never written"):
             _main(_args(tiny, out))
     assert not (tiny / "model" / "run").exists() and not (tiny / "model" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------- the rehearsal
+@pytest.mark.slow
+def test_rehearsal_fsdp2_grad_accum_resume(tmp_path):
+    """train/rehearsal.py at ctx 256 (the documented run is 4,096): Ouro-1.4B's structure (24 layers,
+    r_max 4) at width 64 through `accelerate launch` on 2 CPU ranks, FSDP2 per block, --grad-accum 2,
+    --gradient-checkpointing; killed after step 2 (--max-steps-this-run) and resumed to step 3; each
+    rank holds about half the parameter bytes."""
+    r = subprocess.run([sys.executable, "-m", "train.rehearsal", "--out", str(tmp_path), "--ctx", "256"], cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + (tmp_path / "log.txt").read_text()[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    print(res)
+    assert res["steps"] == [1, 2, 3] and all(np.isfinite(res["loss"])) and res["distributed_type"] == "FSDP"
+    log = (tmp_path / "log.txt").read_text()
+    assert "stopped at step 2 of 3" in log and "resumed from" in log and "at step 2" in log
+    full, fb = res["model_param_bytes"], res["rank_param_bytes"]
+    assert len(fb) == 2 and all(0.45 * full <= b <= 0.55 * full for b in fb), (fb, full)
+    m = load_pretrained(tmp_path / "run")
+    assert m.cfg.n_core == 24 and m.cfg.r_max == 4

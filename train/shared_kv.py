@@ -628,6 +628,8 @@ def optimizer_step(acc, obj, opt, sched, micros: list, clip: float, stale: bool 
             out = obj(batch, mask=mask, prompt_len=pl, measure_staleness=stale and i == 0)
             acc.backward(out["loss"])
             if acc.sync_gradients:
+                for m in fsdp2_units(obj):  # the gathered blocks' parameters hold no gradient: the shards do
+                    m.reshard()
                 acc.clip_grad_norm_(obj.parameters(), clip)
             opt.step()  # accelerate's optimizer skips the step (and zero_grad) until the last micro-batch
             opt.zero_grad(set_to_none=True)
@@ -636,6 +638,21 @@ def optimizer_step(acc, obj, opt, sched, micros: list, clip: float, stale: bool 
         raise RuntimeError(f"{len(micros)} micro-batches do not end an accumulation of {acc.gradient_accumulation_steps}")
     sched.step()
     return outs
+
+
+def fsdp2_units(obj: nn.Module) -> list[nn.Module]:
+    """FSDP2's units (one per block and the root), set to stay gathered from their first forward until
+    the optimizer step: the shared layout's gradient reaches a block's K/V projections through the next
+    sweep's attention, outside the block's forward, and FSDP2 re-gathers a block for backward only
+    when the gradient reaches the block's outputs (its pre-backward hook): resharded blocks fail there
+    ("setStorage: ... storage of size 0"). Gradients are still reduce-scattered per block and the
+    optimizer state and the weights between steps stay sharded. [] without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in obj.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+    return units
 
 
 def main(argv=None) -> None:
@@ -732,6 +749,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     # block; accelerate reads the class names from `_no_split_modules` and keeps the ones present
     obj._no_split_modules = ["OuroLayer", "SandwichBlock"]
     obj, opt, sched = acc.prepare(obj, opt, sched)
+    fsdp2_units(obj)  # FSDP2: blocks stay gathered through a step (see there)
     param_bytes = local_param_bytes(obj)
     cfg0 = model.cfg
 
