@@ -69,7 +69,7 @@ class HuginnLM(LoopedLM):
     def core_step(self, state, inj, rope, attend_for: AttendFor):
         x = self.transformer.adapter(torch.cat([state, inj], dim=-1))  # order: state, then injection
         for i, block in enumerate(self.transformer.core_block):
-            x = block(x, rope, attend_for("core", i))
+            x = self.block(block, x, rope, attend_for("core", i))
         return x
 
     def gate_features(self, state):

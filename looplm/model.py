@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .config import LoopConfig
@@ -34,6 +35,15 @@ class LoopOutput:
 
 class LoopedLM(nn.Module):
     cfg: LoopConfig
+    # training only (train/common.layer_checkpointing): each core layer call under activation
+    # checkpointing, so a loop step keeps only its layers' inputs for the backward pass
+    checkpoint_layers: bool = False
+
+    def block(self, layer: nn.Module, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
+        """One core layer; recomputed in the backward pass when `checkpoint_layers` is set."""
+        if self.checkpoint_layers and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(layer, x, rope, attend, use_reentrant=False)
+        return layer(x, rope, attend)
 
     # ---- stage pieces, implemented per architecture -------------------------------------------
     def prelude(self, ids: torch.Tensor, rope, attend_for: AttendFor, init_scale: float = 0.0

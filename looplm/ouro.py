@@ -54,7 +54,7 @@ class OuroLM(LoopedLM):
 
     def core_step(self, state, inj, rope, attend_for: AttendFor):
         for i, layer in enumerate(self.model.layers):
-            state = layer(state, rope, attend_for("core", i))
+            state = self.block(layer, state, rope, attend_for("core", i))
         # the normed state is both this step's output and the next step's input
         return self.model.norm(state)
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,19 @@ class History:
 
 
 # ----------------------------------------------------------------------------- model passes
+@contextmanager
+def layer_checkpointing(model: LoopedLM, enabled: bool = True):
+    """Activation checkpointing per core layer and loop step (LoopedLM.block) inside the block:
+    a loop step keeps one [B, T, D] input per layer for the backward pass instead of its layers'
+    activations (attention, MLP, norms); each layer is recomputed once in the backward pass."""
+    old = model.checkpoint_layers
+    model.checkpoint_layers = enabled
+    try:
+        yield
+    finally:
+        model.checkpoint_layers = old
+
+
 def checkpointed_step(model: LoopedLM, state: torch.Tensor, inj, rope, attend_for: AttendFor, enabled: bool = True,
                       before=None) -> torch.Tensor:
     """model.core_step under activation checkpointing (non-reentrant): the step's activations are

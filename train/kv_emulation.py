@@ -28,18 +28,24 @@ earlier positions' coda K/V from their exit states; per-step logits (kl criterio
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from kv_layouts import LAYOUTS as ENGINE_LAYOUTS
 from looplm.layers import causal_attend
 from looplm.model import LoopedLM
 from looplm.policy import ExitPolicy
-from train.common import checkpointed_step, exit_depths
+from train.common import checkpointed_step, exit_depths, layer_checkpointing
 
 LAYOUTS = tuple(sorted(ENGINE_LAYOUTS))  # the engine's layouts, each emulated exactly below
+
+
+SCORE_CHUNK = 1024  # positions per chunk of the no-grad criterion scores that need logits (kl, entropy_diff)
 
 
 @dataclass
@@ -47,93 +53,149 @@ class Sweep:
     states: list[torch.Tensor]  # s_1..s_S, each [B, T, D]
     scores: torch.Tensor | None  # [S, B, T] criterion scores (None: full depth)
     depths: torch.Tensor  # [B, T] exit depth of each position
-    core_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per core layer: K, V [S, B, T, KVH, Dh]
+    # per core layer: K, V [S, B, T, KVH, Dh]; with kv_at_depth, [1, B, T, KVH, Dh]: each position's
+    # K/V at its exit depth only (`at_depth`, the shared layout's context)
+    core_kv: list[tuple[torch.Tensor, torch.Tensor]]
     coda_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per coda layer: K, V [B, T, KVH, Dh] (exit states)
-    exit_logits: torch.Tensor  # [B, T, V]
-    step_logits: list[torch.Tensor] | None  # per step [B, T, V], when asked for
+    exit_logits: torch.Tensor | None  # [B, T, V] (sweep(..., logits=True))
+    step_hidden: list[torch.Tensor] | None = None  # per step what the head reads [B, T, D], when asked for
+    exit_hidden: torch.Tensor | None = None  # [B, T, D] what the head reads at each position's exit depth
+    kv_at_depth: bool = False
+
+    def at_depth(self) -> "Sweep":
+        """The shared layout reads each earlier position's K/V at its exit depth only: keep those
+        and drop the other steps' K/V (the gather's backward needs no input, so nothing else stays
+        alive for them)."""
+        if self.kv_at_depth:
+            return self
+        idx = (self.depths - 1)[None, :, :, None, None]
+        kv = [(K.gather(0, idx.expand(1, *K.shape[1:])), V.gather(0, idx.expand(1, *V.shape[1:]))) for K, V in self.core_kv]
+        return dataclasses.replace(self, core_kv=kv, kv_at_depth=True)
+
+
+def context_mask(T: int, prompt_len: int, device) -> torch.Tensor:
+    """[T, 2T] keys each query attends to over [fresh K/V; context K/V]: a decode query p >= prompt_len
+    its own fresh K/V and the context K/V of j < p; a prompt query the fresh K/V of j <= p."""
+    p = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    fresh = (j == p) | ((p < prompt_len) & (j <= p))
+    return torch.cat([fresh, (j < p) & (p >= prompt_len)], dim=1)
 
 
 def context_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                   prompt_len: int) -> torch.Tensor:
+                   prompt_len: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Query p attends to context K/V (kc, vc) at positions j < p and to its own fresh (k, v);
     queries in the prompt (p < prompt_len) attend to the fresh K/V of every j <= p instead.
-    q: [B, T, H, Dh]; k, v, kc, vc: [B, T, KVH, Dh]."""
-    B, T, H, Dh = q.shape
-    rep = H // k.shape[2]
-
-    def heads(x: torch.Tensor) -> torch.Tensor:  # [B, T, KVH, Dh] -> [B, H, T, Dh]
-        return x.transpose(1, 2).repeat_interleave(rep, dim=1)
-
-    qh, kh, vh, kch, vch = q.transpose(1, 2), heads(k), heads(v), heads(kc), heads(vc)
-    p = torch.arange(T, device=q.device)[:, None]
-    j = torch.arange(T, device=q.device)[None, :]
-    fresh = (j == p) | ((p < prompt_len) & (j <= p))  # [T, T]
-    scale = Dh ** -0.5
-    scores = torch.where(fresh, qh @ kh.transpose(-1, -2), qh @ kch.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(j > p, float("-inf"))
-    # half precision: softmax in fp32, as SDPA does
-    a = torch.softmax(scores.float() if q.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(q.dtype)
-    out = (a * fresh) @ vh + (a * ~fresh) @ vch
-    return out.transpose(1, 2)
+    q: [B, T, H, Dh]; k, v, kc, vc: [B, T, KVH, Dh]. One SDPA over the 2T keys with a mask
+    (`context_mask`, built once per sweep when given): no T x T scores are kept for the backward
+    pass by the fused kernels (flash on CPU, memory-efficient on CUDA)."""
+    T = q.shape[1]
+    if mask is None:
+        mask = context_mask(T, prompt_len, q.device)
+    keys = torch.cat([k, kc], dim=1).transpose(1, 2)
+    values = torch.cat([v, vc], dim=1).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                       enable_gqa=q.shape[2] != k.shape[2])
+    return y.transpose(1, 2)
 
 
 class _Recorder:
     """attend_for over a sweep: records every core/coda K/V and mixes in the context."""
 
-    def __init__(self, layout: str, prev: Sweep | None, prompt_len: int):
-        self.layout, self.prev, self.prompt_len = layout, prev, prompt_len
+    def __init__(self, layout: str, prev: Sweep | None, prompt_len: int, record_core: bool = True):
+        self.layout, self.prev, self.prompt_len, self.record_core = layout, prev, prompt_len, record_core
         self.step = 0  # current core step (1-based); 0 outside the loop
         self.core: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.coda: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.coda_mode = "exit"  # "exit": the exit-state coda (recorded); "step": per-step logits
+        # off once the sweep ends: a layer recomputed in the backward pass (checkpointing) records nothing
+        self.recording = True
+        self._mask: torch.Tensor | None = None
 
-    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        K, V = self.prev.core_kv[layer]  # [S, B, T, KVH, Dh]
+    def context(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        K, V = self.prev.core_kv[layer]  # [S, B, T, KVH, Dh] ([1, ...] at depth)
+        if self.prev.kv_at_depth:
+            if self.layout != "shared":
+                raise ValueError(f"a context reduced to exit depths serves the shared layout only, not {self.layout!r}")
+            return K[0], V[0]
         d = self.prev.depths
         if self.layout == "last_exited":
-            d = d.clamp(max=self.step)
+            d = d.clamp(max=step)
         idx = (d - 1)[None, :, :, None, None].expand(1, *K.shape[1:])
         return K.gather(0, idx)[0], V.gather(0, idx)[0]
 
+    def mask(self, q: torch.Tensor) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = context_mask(q.shape[1], self.prompt_len, q.device)
+        return self._mask
+
+    def fixed(self, step: int, coda_mode: str):
+        """attend_for with the loop step and coda mode fixed (what a checkpointed recomputation in the
+        backward pass must see, whatever the recorder's step is by then)."""
+        def attend_for(stage: str, layer: int):
+            def attend(q, k, v):
+                if stage == "core":
+                    if self.recording and self.record_core:
+                        self.core.setdefault(layer, []).append((k, v))
+                    if self.prev is None or self.layout == "full_depth":
+                        return causal_attend(q, k, v)
+                    return context_attend(q, k, v, *self.context(layer, step), self.prompt_len, self.mask(q))
+                if stage == "coda":
+                    if coda_mode == "exit":
+                        if self.recording:
+                            self.coda[layer] = (k, v)
+                    elif self.prev is not None:
+                        return context_attend(q, k, v, *self.prev.coda_kv[layer], self.prompt_len, self.mask(q))
+                return causal_attend(q, k, v)
+            return attend
+        return attend_for
+
     def __call__(self, stage: str, layer: int):
-        def attend(q, k, v):
-            if stage == "core":
-                self.core.setdefault(layer, []).append((k, v))
-                if self.prev is None or self.layout == "full_depth":
-                    return causal_attend(q, k, v)
-                return context_attend(q, k, v, *self.context(layer), self.prompt_len)
-            if stage == "coda":
-                if self.coda_mode == "exit":
-                    self.coda[layer] = (k, v)
-                elif self.prev is not None:
-                    return context_attend(q, k, v, *self.prev.coda_kv[layer], self.prompt_len)
-            return causal_attend(q, k, v)
-        return attend
+        return self.fixed(self.step, self.coda_mode)(stage, layer)
 
 
-def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, logits, aux):
+@torch.no_grad()
+def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, hidden, prev_hidden, aux):
+    """Criterion scores [B, T] of one step (no grad) and what the next step's needs (aux). `hidden`:
+    what the head reads at this step (criteria on logits: kl, entropy_diff), turned into logits
+    SCORE_CHUNK positions at a time (never [B, T, V] in float64 at once)."""
     c = policy.criterion
     if c in ("ouro_gate", "learned"):
         return model.gate_logits(state).detach().double(), None
     if c == "latent_diff":
         return ((prev_state - state).double().norm(dim=-1) / state.double().norm(dim=-1)).detach(), None
-    if c in ("kl", "entropy_diff"):
-        logp = F.log_softmax(logits.detach().double(), dim=-1)
+    if c not in ("kl", "entropy_diff"):
+        return None, None
+    out = []
+    for a in range(0, hidden.shape[1], SCORE_CHUNK):
+        logp = F.log_softmax(model.head(hidden[:, a:a + SCORE_CHUNK]).double(), dim=-1)
         if c == "kl":
-            prev = aux if aux is not None else torch.full_like(logp, -torch.log(torch.tensor(logp.shape[-1], dtype=logp.dtype)))
-            return (prev.exp() * (prev - logp)).sum(-1), logp
-        ent = -(logp.exp() * logp).sum(-1)
-        return (ent - (aux if aux is not None else torch.full_like(ent, 100.0))).abs(), ent
-    return None, None
+            if prev_hidden is None:
+                prev = torch.full_like(logp, -math.log(logp.shape[-1]))
+            else:
+                prev = F.log_softmax(model.head(prev_hidden[:, a:a + SCORE_CHUNK]).double(), dim=-1)
+            out.append((prev.exp() * (prev - logp)).sum(-1))
+        else:
+            out.append(-(logp.exp() * logp).sum(-1))
+    sc = torch.cat(out, dim=1)
+    if c == "kl":
+        return sc, None
+    return (sc - (aux if aux is not None else torch.full_like(sc, 100.0))).abs(), sc
 
 
 def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prev: Sweep | None = None,
-          prompt_len: int = 1, step_logits: bool = False, checkpoint: bool = False, prompt_grad: bool = False) -> Sweep:
+          prompt_len: int = 1, step_hidden: bool = False, checkpoint: bool | str = False, prompt_grad: bool = False,
+          backprop_depth: int | None = None, logits: bool = True, record_core: bool = True) -> Sweep:
     """One parallel pass of the loop over ids [B, T] (see the module docstring). Runs with or
     without grad, as the caller's context decides. Context K/V from `prev` are used as they are:
     if `prev` ran with grad, the gradient flows into it (nothing is detached here; a caller that
     wants a truncated gradient passes a `prev` computed without grad, see shared_kv.training_loss).
-    `checkpoint`: activation checkpointing per core step (the recomputation restores the step).
+    `checkpoint`: activation checkpointing, True / "layer" per core layer and loop step (and the
+    per-step coda), "step" per loop step. `backprop_depth` K: only the last K loop steps carry grad
+    (the earlier ones run without it and their state is a constant: truncated backprop, Huginn's
+    recipe). `logits`: also the [B, T, V] exit logits (a loss computes them in chunks from
+    exit_hidden instead). `step_hidden`: keep what the head reads after every step. `record_core`:
+    record the core K/V (a loss sweep's are never read).
     `prompt_grad` (with a `prev` whose K/V carry no grad): the prompt's context K/V come from a
     fresh pass over the prompt alone, with grad: the same values (a prompt never depends on a sweep:
     full depth, fresh depth-major attention), but the loss of the positions after it now reaches the
@@ -141,49 +203,71 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     already carries that path, and the fresh pass is skipped."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; supported: {LAYOUTS}")
+    if checkpoint not in (False, True, "layer", "step"):
+        raise ValueError(f"checkpoint must be False, True / 'layer' or 'step', not {checkpoint!r}")
+    S, T = policy.r_max, ids.shape[1]
+    if backprop_depth is not None and backprop_depth < 1:
+        raise ValueError(f"backprop_depth must be >= 1 (or None: every step), not {backprop_depth}")
     if prev is not None:
         core, coda = list(prev.core_kv), list(prev.coda_kv)
         prev_has_grad = any(k.requires_grad for k, _ in core)
         if prompt_grad and not prev_has_grad and prompt_len > 0 and layout != "full_depth" and torch.is_grad_enabled():
-            P = min(prompt_len, ids.shape[1])
-            pre = sweep(model, ids[:, :P], policy, layout, None, P, checkpoint=checkpoint)
+            P = min(prompt_len, T)
+            pre = sweep(model, ids[:, :P], policy, layout, None, P, checkpoint=checkpoint,
+                        backprop_depth=backprop_depth, logits=False)
+            if prev.kv_at_depth:
+                pre = pre.at_depth()  # the prompt runs at full depth: its context is its last step's
             core = [(torch.cat([pk, k[:, :, P:]], 2), torch.cat([pv, v[:, :, P:]], 2))
                     for (pk, pv), (k, v) in zip(pre.core_kv, core)]
             coda = [(torch.cat([pk, k[:, P:]], 1), torch.cat([pv, v[:, P:]], 1)) for (pk, pv), (k, v) in zip(pre.coda_kv, coda)]
-        prev = Sweep(prev.states, prev.scores, prev.depths, core, coda, prev.exit_logits, None)
-    S, T = policy.r_max, ids.shape[1]
-    rec = _Recorder(layout, prev, prompt_len)
+        prev = dataclasses.replace(prev, core_kv=core, coda_kv=coda, step_hidden=None)
+    grad = torch.is_grad_enabled()
+    first_grad = 0 if backprop_depth is None else max(0, S - backprop_depth)
+    by_layer = checkpoint in (True, "layer") and grad
+    rec = _Recorder(layout, prev, prompt_len, record_core)
     rope = model.rope(torch.arange(T, device=ids.device))
-    state, inj = model.prelude(ids, rope, rec)
-    need_logits = step_logits or policy.criterion in ("kl", "entropy_diff")
-    states, scores, logits_list, aux = [], [], [], None
-    for s in range(1, S + 1):
-        rec.step = s
-        new = checkpointed_step(model, state, inj, rope, rec, checkpoint, before=lambda s=s: setattr(rec, "step", s))
-        logits = None
-        if need_logits:
-            rec.coda_mode = "step"
-            logits = model.head(model.coda(new, rope, rec))
-            logits_list.append(logits)
-        sc, aux = _scores(model, policy, state, new, logits, aux)
-        if sc is not None:
-            scores.append(sc)
-        states.append(new)
-        state = new
-    rec.step, rec.coda_mode = 0, "exit"
-    sc = torch.stack(scores) if scores and policy.adaptive else None
-    if sc is None:
-        depths = torch.full(ids.shape, S, dtype=torch.long, device=ids.device)
-    else:
-        depths = exit_depths(sc.cpu(), policy).to(ids.device)
-    depths[:, :prompt_len] = S  # the prompt runs at full depth
-    st = torch.stack(states)  # [S, B, T, D]
-    exit_state = st.gather(0, (depths - 1)[None, :, :, None].expand(1, *st.shape[1:]))[0]
-    exit_logits = model.head(model.coda(exit_state, rope, rec))
+    need_hidden = step_hidden or policy.criterion in ("kl", "entropy_diff")
+    states, scores, hidden_list, aux, prev_hidden = [], [], [], None, None
+    with layer_checkpointing(model, by_layer):
+        state, inj = model.prelude(ids, rope, rec)
+        for s in range(1, S + 1):
+            rec.step = s
+            with torch.set_grad_enabled(grad and s > first_grad):
+                new = checkpointed_step(model, state, inj, rope, rec.fixed(s, "exit"), checkpoint == "step")
+            if not (grad and s > first_grad):
+                new = new.detach()
+            hidden = None
+            if need_hidden:
+                hidden = _coda(model, new, rope, rec.fixed(s, "step"), by_layer)
+                hidden_list.append(hidden)
+            sc, aux = _scores(model, policy, state, new, hidden, prev_hidden, aux)
+            if sc is not None:
+                scores.append(sc)
+            states.append(new)
+            state, prev_hidden = new, hidden
+        rec.step = 0
+        sc = torch.stack(scores) if scores and policy.adaptive else None
+        if sc is None:
+            depths = torch.full(ids.shape, S, dtype=torch.long, device=ids.device)
+        else:
+            depths = exit_depths(sc.cpu(), policy).to(ids.device)
+        depths[:, :prompt_len] = S  # the prompt runs at full depth
+        st = torch.stack(states)  # [S, B, T, D]
+        exit_state = st.gather(0, (depths - 1)[None, :, :, None].expand(1, *st.shape[1:]))[0]
+        exit_hidden = model.coda(exit_state, rope, rec.fixed(0, "exit"))
+    rec.recording = False
     core_kv = [(torch.stack([k for k, _ in rec.core[l]]), torch.stack([v for _, v in rec.core[l]]))
                for l in sorted(rec.core)]
     coda_kv = [rec.coda[l] for l in sorted(rec.coda)]
-    return Sweep(states, sc, depths, core_kv, coda_kv, exit_logits, logits_list if step_logits else None)
+    return Sweep(states, sc, depths, core_kv, coda_kv, model.head(exit_hidden) if logits else None,
+                 hidden_list if step_hidden else None, exit_hidden)
+
+
+def _coda(model: LoopedLM, state: torch.Tensor, rope, attend_for, checkpoint: bool) -> torch.Tensor:
+    """A step's coda (per-step logits), checkpointed with the layers: only its input is kept."""
+    if checkpoint and torch.is_grad_enabled() and model.cfg.n_coda > 0:  # (Ouro's coda is the identity)
+        return torch.utils.checkpoint.checkpoint(model.coda, state, rope, attend_for, use_reentrant=False)
+    return model.coda(state, rope, attend_for)
 
 
 @torch.no_grad()

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from looplm.config import replace
@@ -163,19 +164,42 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return token_ce(logits, targets)
 
 
+def head_ce(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Per-token CE [B, T] of the head's logits over `hidden` [B, T, D], `chunk` positions at a time.
+    Under grad each chunk is checkpointed: its [B, chunk, V] logits are recomputed in the backward
+    pass, so at most one chunk's full-vocabulary logits is alive at once (0: one chunk)."""
+    T = hidden.shape[1]
+
+    def ce(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return _ce(model.head(h), t)
+    if not chunk or chunk >= T:
+        return ce(hidden, targets)
+    parts = []
+    for a in range(0, T, chunk):
+        h, t = hidden[:, a:a + chunk], targets[:, a:a + chunk]
+        parts.append(torch.utils.checkpoint.checkpoint(ce, h, t, use_reentrant=False) if torch.is_grad_enabled()
+                     else ce(h, t))
+    return torch.cat(parts, dim=1)
+
+
 def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1,
-                   pass1_sweeps: int = 2, context_grad: int | None = None, checkpoint: bool = False) -> Sweep | None:
+                   pass1_sweeps: int = 2, context_grad: int | None = None, checkpoint: bool | str = False,
+                   backprop_depth: int | None = None) -> Sweep | None:
     """The sweeps that produce the loss sweep's context (`pass1_sweeps` of them, the first an ordinary
     causal loop). `context_grad`: how many of the LAST context sweeps run with grad (None: all). With
     all of them, the loss's gradient is the exact derivative of the loss computed (every context K/V
     carries its graph back to the weights); a smaller number truncates the path through the earlier
     sweeps (their context becomes a constant), 0 is the old detached context. Inside torch.no_grad()
-    everything runs without grad, as the caller asked."""
+    everything runs without grad, as the caller asked. A context keeps only what the next sweep
+    reads: no states, no logits, and under the shared layout each position's K/V at its exit depth
+    only (Sweep.at_depth)."""
     n_grad = pass1_sweeps if context_grad is None else max(0, min(int(context_grad), pass1_sweeps))
     cur = None
     for i in range(pass1_sweeps):
         with torch.set_grad_enabled(torch.is_grad_enabled() and i >= pass1_sweeps - n_grad):
-            cur = sweep(model, x, policy, layout, cur, prompt_len, checkpoint=checkpoint)
+            cur = sweep(model, x, policy, layout, cur, prompt_len, checkpoint=checkpoint,
+                        backprop_depth=backprop_depth, logits=False)
+        cur = dataclasses.replace(cur.at_depth() if layout == "shared" else cur, states=[])
     return cur
 
 
@@ -197,29 +221,31 @@ def staleness(model, x: torch.Tensor, policy: ExitPolicy, layout: str, prompt_le
     keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask[:B].bool().clone()
     keep[:, :prompt_len] = False
     out = {"stale_depth_frac": 0.0, "stale_logit_gap": 0.0, "stale_logit_gap_mean": 0.0, "stale_ce_gap": 0.0}
+    logits = sw.exit_logits[:B] if sw.exit_logits is not None else model.head(sw.exit_hidden[:B])
     if keep.any():
-        gap = (sw.exit_logits[:B].detach().double() - fp.exit_logits.double()).abs().amax(-1)[keep]
+        gap = (logits.detach().double() - fp.exit_logits.double()).abs().amax(-1)[keep]
         out.update(stale_depth_frac=float((sw.depths[:B] != fp.depths)[keep].double().mean()),
                    stale_logit_gap=float(gap.max()), stale_logit_gap_mean=float(gap.mean()))
         if targets is not None:
             t = targets[:B]
-            out["stale_ce_gap"] = float((_ce(sw.exit_logits[:B].detach(), t) - _ce(fp.exit_logits, t))[keep].mean())
+            out["stale_ce_gap"] = float((_ce(logits.detach(), t) - _ce(fp.exit_logits, t))[keep].mean())
     out.update(fixed_point_sweeps=float(n), staleness_s=time.perf_counter() - t0)
     return out
 
 
 def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None, layout: str = "shared",
                prompt_len: int = 1, *, mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
-               gate_margin: float = 0.1, gate_grad: str = "head", prompt_grad: bool = False, checkpoint: bool = False,
+               gate_margin: float = 0.1, gate_grad: str = "head", prompt_grad: bool = False,
+               checkpoint: bool | str = False, backprop_depth: int | None = None, ce_chunk: int = 1024,
                measure_staleness: bool = False, staleness_rows: int | None = 2) -> dict:
     """The loss sweep against the context `prev` and the losses: a dict with "loss" (what the run
     reports and backpropagates) and its parts (see training_loss)."""
     x, tgt = ids[:, :-1], ids[:, 1:]
     tm = None if mask is None else mask[:, 1:]
-    sw = sweep(model, x, policy, layout, prev, prompt_len, step_logits=True, checkpoint=checkpoint,
-               prompt_grad=prompt_grad)
-    ce_exit = _ce(sw.exit_logits, tgt)
-    ce_steps = torch.stack([_ce(lg, tgt) for lg in sw.step_logits])  # [S, B, T]
+    sw = sweep(model, x, policy, layout, prev, prompt_len, step_hidden=True, checkpoint=checkpoint,
+               prompt_grad=prompt_grad, backprop_depth=backprop_depth, logits=False, record_core=False)
+    ce_exit = head_ce(model, sw.exit_hidden, tgt, ce_chunk)
+    ce_steps = torch.stack([head_ce(model, h, tgt, ce_chunk) for h in sw.step_hidden])  # [S, B, T]
     lm = masked_mean(ce_exit, tm) + step_loss * masked_mean(ce_steps, tm)
     out = {"lm": lm, "ce_exit": masked_mean(ce_exit, tm).detach(), "ce_full": masked_mean(ce_steps[-1], tm).detach(),
            "mean_depth": decode_mean(sw.depths.double(), tm, prompt_len)}
@@ -252,7 +278,8 @@ def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None,
 def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1, *,
                   mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
                   gate_margin: float = 0.1, pass1_sweeps: int = 2, context_grad: int | None = None,
-                  gate_grad: str = "head", prompt_grad: bool = False, checkpoint: bool = False,
+                  gate_grad: str = "head", prompt_grad: bool = False, checkpoint: bool | str = False,
+                  backprop_depth: int | None = None, ce_chunk: int = 1024,
                   measure_staleness: bool = False, staleness_rows: int | None = 2,
                   parts: dict | None = None) -> torch.Tensor:
     """The loss of one training step of train/shared_kv.py, the tensor the run reports and backpropagates.
@@ -282,9 +309,11 @@ def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "s
     and, under keys starting with "_", the discrete decisions (exit depths, gate labels)."""
     if gate_grad not in ("head", "all"):
         raise ValueError(f"gate_grad must be 'head' or 'all', not {gate_grad!r}")
-    prev = context_sweeps(model, ids[:, :-1], policy, layout, prompt_len, pass1_sweeps, context_grad, checkpoint)
+    prev = context_sweeps(model, ids[:, :-1], policy, layout, prompt_len, pass1_sweeps, context_grad, checkpoint,
+                          backprop_depth)
     out = loss_sweep(model, ids, policy, prev, layout, prompt_len, mask=mask, step_loss=step_loss, train=train,
                      gate_margin=gate_margin, gate_grad=gate_grad, prompt_grad=prompt_grad, checkpoint=checkpoint,
+                     backprop_depth=backprop_depth, ce_chunk=ce_chunk,
                      measure_staleness=measure_staleness, staleness_rows=staleness_rows)
     if parts is not None:
         parts.update(out)
@@ -307,7 +336,8 @@ def loss_options(a: argparse.Namespace) -> dict:
         raise UserError(f"--context-grad {cg!r}: 'all' or a number of sweeps (0: the context detached)")
     return {"step_loss": a.step_loss, "train": a.train, "gate_margin": a.gate_margin, "pass1_sweeps": a.pass1_sweeps,
             "context_grad": None if a.context_grad in (None, "all") else int(a.context_grad),
-            "gate_grad": a.gate_grad, "prompt_grad": prompt_grad(a), "checkpoint": a.gradient_checkpointing}
+            "gate_grad": a.gate_grad, "prompt_grad": prompt_grad(a), "checkpoint": a.gradient_checkpointing,
+            "backprop_depth": a.backprop_depth, "ce_chunk": a.ce_chunk}
 
 
 class SharedKVObjective(nn.Module):
@@ -332,7 +362,7 @@ class SharedKVObjective(nn.Module):
         opts = loss_options(a)
         if mode == "pass1":
             return context_sweeps(m, batch[:, :-1], pol, a.layout, pl, opts["pass1_sweeps"], opts["context_grad"],
-                                  opts["checkpoint"])
+                                  opts["checkpoint"], opts["backprop_depth"])
         staleness_rows = getattr(a, "staleness_rows", 2)
         if mode == "pass2":
             opts = {k: v for k, v in opts.items() if k not in ("pass1_sweeps", "context_grad")}
@@ -514,7 +544,14 @@ def parse(argv=None) -> argparse.Namespace:
                    help="autocast (default: the launcher's / accelerate config's, else bf16 on CUDA (TF32 on) "
                         "and no on CPU)")
     p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each core step's activations in the backward pass")
+                   help="activation checkpointing per layer and loop step: each layer's activations are recomputed "
+                        "in the backward pass (only its input is kept)")
+    p.add_argument("--backprop-depth", type=int, default=None,
+                   help="truncated backprop: only the last K loop steps of each sweep carry grad (Huginn's "
+                        "mean_backprop_depth recipe); default: every step")
+    p.add_argument("--ce-chunk", type=int, default=1024,
+                   help="positions per chunk of the loss's cross-entropy: each chunk's full-vocabulary logits are "
+                        "recomputed in the backward pass, never all alive at once (0: no chunking)")
     p.add_argument("--no-wandb", action="store_true")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return p.parse_args(argv)
@@ -553,7 +590,7 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
-            "context_grad", "gate_grad", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+            "context_grad", "gate_grad", "backprop_depth", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size,
