@@ -140,3 +140,28 @@ def test_backprop_depth_truncates_the_gradient_only(arch):
         assert emb not in cut or float(cut[emb].abs().max()) == 0.0
     with pytest.raises(ValueError, match="backprop_depth"):
         training_loss(m, ids, pol, backprop_depth=0)
+
+
+def test_lora_run_trains_adapters_only_and_saves_a_merged_model(tmp_path):
+    """--lora-rank 4: the LM weights outside the adapted projections are saved unchanged (frozen), the
+    projections changed (adapters merged in), the saved folder has no adapter tensors and loads; the
+    step's trainable parameters are the adapters and the gate head only."""
+    import numpy as np
+
+    from looplm import load_pretrained, save_pretrained, tiny_model
+    from looplm.io import load_tokenizer
+    from tests.test_train_scale import DEMO_TOK, _args, _main
+    from train.lora import add_lora
+    print("seed 0")
+    m = tiny_model("ouro-tiny", std=0.05, exit_criterion="learned", exit_threshold=0.6, vocab_size=2048)
+    save_pretrained(m, tmp_path / "model", tokenizer=load_tokenizer(DEMO_TOK))
+    np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(0, 2048, 5000).astype(np.uint16))
+    out = tmp_path / "out"
+    _main(_args(tmp_path, out, steps=3, extra=["--lora-rank", "4", "--lr", "1e-2", "--save-dtype", "float32"]))
+    before, after = load_pretrained(tmp_path / "model").state_dict(), load_pretrained(out).state_dict()
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith("proj.weight") or "exit_gate" in k for k in changed), sorted(changed)
+    assert "model.embed_tokens.weight" not in changed and "lm_head.weight" not in changed
+    names = add_lora(tiny_model("ouro-tiny"), 4)
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)

@@ -64,6 +64,7 @@ from looplm.cli import UserError
 from train.common import TOKENIZER, History, init_wandb, token_ce
 from train.datasource import Tokens, from_corpus, from_dataset, from_npy
 from train.kv_emulation import LAYOUTS, Sweep, converge, sweep
+from train.lora import add_lora, merge_lora
 
 
 def gate_logits_detached(model, state: torch.Tensor) -> torch.Tensor:
@@ -549,6 +550,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--backprop-depth", type=int, default=None,
                    help="truncated backprop: only the last K loop steps of each sweep carry grad (Huginn's "
                         "mean_backprop_depth recipe); default: every step")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank (peft) on every attention and MLP projection instead "
+                        "of the LM weights (frozen); the gate heads train fully; merged into the saved model; "
+                        "0 (default): full fine-tuning")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default: 2 x rank)")
     p.add_argument("--ce-chunk", type=int, default=1024,
                    help="positions per chunk of the loss's cross-entropy: each chunk's full-vocabulary logits are "
                         "recomputed in the backward pass, never all alive at once (0: no chunking)")
@@ -590,7 +596,7 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
-            "context_grad", "gate_grad", "backprop_depth", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+            "context_grad", "gate_grad", "backprop_depth", "lora_rank", "lora_alpha", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size,
@@ -765,6 +771,12 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     gate_names = {n for n, _ in model.named_parameters() if "exit_gate" in n}
     for n, p in model.named_parameters():
         p.requires_grad_(a.train == "all" or (a.train == "gate") == (n in gate_names))
+    if a.lora_rank:  # the LM part trains through adapters only; the gate heads stay fully trainable
+        if fsdp:
+            raise UserError("--lora-rank is the single-GPU option (frozen base weights): launch it without FSDP")
+        add_lora(model, a.lora_rank, a.lora_alpha)
+        for n, p in model.named_parameters():
+            p.requires_grad_((".lora_" in n and a.train != "gate") or (n in gate_names and a.train != "lm"))
     hist = History(a.output / "history.json")
     ck = latest_ckpt(a.output)
     if ck is None and acc.is_main_process and a.eval_windows:
@@ -912,6 +924,8 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     size = sum(v.numel() * torch.empty((), dtype=resolve_dtype(a.save_dtype)).element_size()
                for v in model.state_dict().values())
     # one model.safetensors when it fits the limit (as HF writes it), else shards and an index
+    if a.lora_rank:
+        merge_lora(model)  # a plain folder: the adapters folded into the weights the engine loads
     save_pretrained(model, a.output, dtype=a.save_dtype, tokenizer=load_tokenizer(a.model),
                     max_shard_bytes=limit if size > limit else None)
     (a.output / "summary.json").write_text(json.dumps(summary, indent=2))
