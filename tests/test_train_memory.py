@@ -165,3 +165,27 @@ def test_lora_run_trains_adapters_only_and_saves_a_merged_model(tmp_path):
     assert "model.embed_tokens.weight" not in changed and "lm_head.weight" not in changed
     names = add_lora(tiny_model("ouro-tiny"), 4)
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def test_log_reports_tokens_per_s_and_flops_per_token(tmp_path):
+    """Every training record has tokens/s (training steps only) and the FLOPs per trained token
+    counted by torch's FlopCounterMode on the launch's first step: more than the forward alone of
+    the core layers (2 FLOPs per weight, r_max steps, 3 sweeps)."""
+    import json
+
+    import numpy as np
+
+    from looplm import save_pretrained, tiny_model
+    from looplm.io import load_tokenizer
+    from tests.test_train_scale import DEMO_TOK, _args, _main
+    print("seed 0")
+    m = tiny_model("ouro-tiny", std=0.05, exit_criterion="learned", exit_threshold=0.6, vocab_size=2048)
+    save_pretrained(m, tmp_path / "model", tokenizer=load_tokenizer(DEMO_TOK))
+    np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(0, 2048, 5000).astype(np.uint16))
+    _main(_args(tmp_path, tmp_path / "out", steps=2))
+    recs = [h for h in json.loads((tmp_path / "out" / "history.json").read_text()) if "loss" in h]
+    assert all(r["tokens_per_s"] > 0 for r in recs)
+    core = sum(p.numel() for n, p in m.named_parameters() if ".layers." in n)
+    # 3 sweeps (2 context + the loss sweep) x r_max steps x 2 FLOPs per weight, forward only
+    assert recs[0]["flops_per_token"] > 3 * m.cfg.r_max * 2 * core
+    print("flops/token", recs[0]["flops_per_token"], "core params", core)

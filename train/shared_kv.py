@@ -40,6 +40,7 @@ re-launch resumes from the latest. The final model is an HF folder in OUTPUT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -376,6 +377,38 @@ class SharedKVObjective(nn.Module):
         return {k: v for k, v in out.items() if not k.startswith("_")}
 
 
+@contextlib.contextmanager
+def flop_counter(enabled: bool):
+    """torch's FlopCounterMode around one training step (None when not enabled)."""
+    if not enabled:
+        yield None
+        return
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as fc:
+        yield fc
+
+
+# dense bf16 peak FLOP/s by device name, for the MFU the log reports (--peak-tflops overrides)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float | None, peak_tflops: float | None,
+               gpus: int) -> dict:
+    """tokens/s over all ranks (training steps only: evaluation and saving excluded), FLOPs per
+    trained token (measured on the launch's first step: forward, backward and every recomputation),
+    and on CUDA the MFU against the device's dense bf16 peak."""
+    out = {"tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+    if flops_per_token is not None:
+        out["flops_per_token"] = flops_per_token
+        peak = peak_tflops
+        if peak is None and torch.cuda.is_available():
+            name = torch.cuda.get_device_name()
+            peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        if peak:
+            out["mfu"] = flops_per_token * out["tokens_per_s"] / (peak * 1e12 * gpus)
+    return out
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of x [..., B, T] over the positions where mask [B, T] is set (all without a mask)."""
     if mask is None:
@@ -493,6 +526,11 @@ def parse(argv=None) -> argparse.Namespace:
                         "measurement (largest over ranks) exceeds it, --pass1-sweeps grows by one (up to "
                         "--max-pass1-sweeps) for the rest of the run; default: off")
     p.add_argument("--max-pass1-sweeps", type=int, default=8)
+    p.add_argument("--min-pass1-sweeps", type=int, default=None,
+                   help="with --max-stale-depth: a staleness measurement with no exit depth off the fixed point "
+                        "takes one context sweep away (down to this many); default: never fewer")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the GPU's dense bf16 peak for the logged MFU (default: known by device name on CUDA)")
     p.add_argument("--prompt-len", type=int, default=1, help="positions run as a full-depth prompt")
     p.add_argument("--prompt-grad", choices=["auto", "on", "off"], default="auto",
                    help="pass 2 reads the prompt's context K/V from a fresh pass over the prompt, with grad (same "
@@ -596,7 +634,7 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
-            "context_grad", "gate_grad", "backprop_depth", "lora_rank", "lora_alpha", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+            "context_grad", "gate_grad", "backprop_depth", "lora_rank", "lora_alpha", "max_stale_depth", "min_pass1_sweeps", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size,
@@ -832,6 +870,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         hist.truncate(step)
         acc.print(f"resumed from {ck} at step {step}")
     t0, ran, logs, first_batch = time.time(), 0, [], None
+    window_tokens, train_s, flops_per_token = 0, 0.0, None  # throughput of the steps in the log window
     while step < a.steps and (a.max_steps_this_run is None or ran < a.max_steps_this_run):
         micros = []
         for micro in range(a.grad_accum):
@@ -846,23 +885,33 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
             first_batch = micros[0][0].tolist()
         obj.train()
         stale = bool(a.staleness_every) and (step + 1) % a.staleness_every == 0
-        outs = optimizer_step(acc, obj, opt, sched, micros, a.clip, stale)  # training_loss's parts per micro-batch
+        t_step = time.perf_counter()
+        with flop_counter(ran == 0) as fc:  # FLOPs of one whole step (recomputations included), once a launch
+            outs = optimizer_step(acc, obj, opt, sched, micros, a.clip, stale)  # training_loss's parts per micro-batch
+        tokens = sum(int(b[:, 1:].numel()) for b, _, _ in micros)  # the targets this rank trained on
+        if fc is not None:
+            flops_per_token = fc.get_total_flops() / tokens
+        train_s += time.perf_counter() - t_step
+        window_tokens += tokens * acc.num_processes
         # the step's record: the mean over its micro-batches (the staleness: micro-batch 0's)
         out = {k: float(np.mean([o[k] for o in outs if k in o])) for k in dict.fromkeys(k for o in outs for k in o)}
         out["pass1_sweeps"] = a.pass1_sweeps
         if stale and a.max_stale_depth is not None:
-            worst = acc.reduce(torch.tensor(float(out["stale_depth_frac"]), device=acc.device), "max")
-            if float(worst) > a.max_stale_depth and a.pass1_sweeps < a.max_pass1_sweeps:
+            worst = float(acc.reduce(torch.tensor(float(out["stale_depth_frac"]), device=acc.device), "max"))
+            if worst > a.max_stale_depth and a.pass1_sweeps < a.max_pass1_sweeps:
                 a.pass1_sweeps += 1  # the staleness bound: one more context sweep from the next step on
-                acc.print(f"step {step + 1}: stale depth share {float(worst):.3f} > {a.max_stale_depth}: "
+                acc.print(f"step {step + 1}: stale depth share {worst:.3f} > {a.max_stale_depth}: "
                           f"--pass1-sweeps now {a.pass1_sweeps}")
+            elif worst == 0.0 and a.min_pass1_sweeps is not None and a.pass1_sweeps > a.min_pass1_sweeps:
+                a.pass1_sweeps -= 1  # no exit depth off the fixed point: try one sweep fewer (measured again)
+                acc.print(f"step {step + 1}: stale depth share 0: --pass1-sweeps now {a.pass1_sweeps}")
         step, ran = step + 1, ran + 1
         logs.append(out)
         if step % a.log_every == 0 or step == a.steps:
             keys = list(dict.fromkeys(k for x in logs for k in x))  # the staleness keys: on measured steps only
             rec = {"step": step, **{k: float(np.mean([x[k] for x in logs if k in x])) for k in keys},
-                   "time_s": round(time.time() - t0, 1)}
-            logs = []
+                   "time_s": round(time.time() - t0, 1), **throughput(window_tokens, train_s, flops_per_token, a.peak_tflops, acc.num_processes)}
+            logs, window_tokens, train_s = [], 0, 0.0
             if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
                 m = full_model()
                 if acc.is_main_process:
