@@ -325,11 +325,14 @@ TABLE_ROWS = (("ouro-1.4b", [], "full"), ("ouro-1.4b", ["--gpus", "8", "--fsdp"]
               ("huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8", "--lora"], "LoRA, backprop 8"))
 
 
-def table(argv_common: list[str]) -> str:
-    """The docs' table: every TABLE_ROWS setting (1 GPU, or 8 with FSDP2) at every TABLE_CTX."""
+def table(argv_common: list[str], models: list[str] | None = None) -> str:
+    """The docs' table: every TABLE_ROWS setting (1 GPU, or 8 with FSDP2) at every TABLE_CTX (of
+    `models` only, when given: two processes can share the work)."""
     lines = ["| model | training | GPUs | " + " | ".join(f"{c // 1024}k tokens" for c in TABLE_CTX) + " |",
              "|---|---|---|" + "---|" * len(TABLE_CTX)]
     for model, extra, what in TABLE_ROWS:
+        if models and model not in models:
+            continue
         cells = []
         for c in TABLE_CTX:
             r = estimate(parse(["--model", model, "--ctx", str(c), *extra, *argv_common]))
@@ -367,7 +370,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--check", action="store_true", help="estimate vs a real run's measured peak (narrow Ouro structure)")
     p.add_argument("--check-ctx", type=int, default=2048)
-    p.add_argument("--table", action="store_true", help="print the docs' table (TABLE_ROWS x 1 / 8 GPUs x TABLE_CTX)")
+    p.add_argument("--table", nargs="*", default=None, metavar="MODEL",
+                   help="print the docs' table (TABLE_ROWS x TABLE_CTX; only these models' rows when named)")
     return p.parse_args(argv)
 
 
@@ -380,10 +384,10 @@ def main(argv=None) -> None:
               f"{r['ctx']} tokens, fp32, seed {r['seed']}: estimated peak {r['estimated_peak'] / 2**20:.1f} MiB, measured "
               f"{r['measured_peak'] / 2**20:.1f} MiB, ratio {r['ratio']:.4f} (real step {r['real_step_s']} s)")
         return
-    if a.table:
+    if a.table is not None:
         common = ["--dtype", a.dtype, "--mfu", str(a.mfu), "--gpu-gb", str(a.gpu_gb), "--ce-chunk", str(a.ce_chunk),
                   "--checkpoint", a.checkpoint, "--pass1-sweeps", str(a.pass1_sweeps)]
-        print(table(common))
+        print(table(common, a.table))
         return
     r = estimate(a)
     if a.json:
