@@ -50,11 +50,11 @@ from looplm.config import LoopConfig, replace
 from looplm.io import build_model
 from looplm.presets import PAPER_MODELS, PRESETS
 from train import cli
+from train.lora import TARGETS as LORA_TARGETS
 from train.shared_kv import policy_for, training_loss
 
 aten = torch.ops.aten
 GB = 1e9
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "Wqkv", "proj", "fc")
 BLOCKS = ("OuroLayer", "SandwichBlock")  # FSDP2's units (train/shared_kv.py: _no_split_modules)
 CATEGORIES = {"parameters": _MemRefType.PARAM, "gradients": _MemRefType.GRAD, "optimizer_state": _MemRefType.OPT,
               "activations": _MemRefType.ACT, "temporaries": _MemRefType.TEMP}
@@ -88,7 +88,8 @@ class LoRALinear(nn.Module):
 
 def build(cfg: LoopConfig, lora_rank: int = 0, weights: torch.dtype = torch.float32) -> nn.Module:
     """The model as the step holds it: trainable weights in `weights`, or (lora_rank > 0) frozen bf16
-    weights with fp32 LoRA adapters on every attention / MLP projection."""
+    weights with fp32 LoRA adapters on every attention / MLP projection (train/lora.py's TARGETS;
+    peft itself cannot run here: its .to() cannot swap fake parameters)."""
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if lora_rank else weights)  # built in place: no .to() (fake tensors)
@@ -96,8 +97,9 @@ def build(cfg: LoopConfig, lora_rank: int = 0, weights: torch.dtype = torch.floa
         model = build_model(cfg)
     finally:
         torch.set_default_dtype(old)
-    if lora_rank:
-        model.requires_grad_(False)
+    if lora_rank:  # as train/shared_kv.py --lora-rank: adapters and the gate heads trained, the rest frozen
+        for n, p in model.named_parameters():
+            p.requires_grad_("exit_gate" in n)
         for mod in list(model.modules()):
             for name, child in list(mod.named_children()):
                 if name in LORA_TARGETS and isinstance(child, nn.Linear):
@@ -318,26 +320,30 @@ def check(ctx: int = 2048, hidden: int = 128, vocab: int = 2048, seed: int = 0) 
 TABLE_CTX = (2048, 4096, 8192, 16384, 32768)
 # (model, extra arguments, what the row is): Huginn trains the release's r_max (mean_recurrence 32)
 # through its last 8 steps (its recipe, --backprop-depth 8)
-TABLE_ROWS = (("ouro-1.4b", [], "full"), ("ouro-1.4b", ["--gpus", "8", "--fsdp"], "full"),
-              ("ouro-1.4b", ["--lora"], "LoRA"),
-              ("huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8"], "full, backprop 8"),
-              ("huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8", "--gpus", "8", "--fsdp"], "full, backprop 8"),
-              ("huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8", "--lora"], "LoRA, backprop 8"))
+TABLE_ROWS = (("ouro-full-1", "ouro-1.4b", [], "full"), ("ouro-lora-1", "ouro-1.4b", ["--lora"], "LoRA"),
+              ("ouro-full-8", "ouro-1.4b", ["--gpus", "8", "--fsdp"], "full"),
+              ("huginn-full-8", "huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8", "--gpus", "8", "--fsdp"],
+               "full, backprop 8"),
+              ("huginn-lora-1", "huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8", "--lora"], "LoRA, backprop 8"),
+              ("huginn-full-1", "huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8"], "full, backprop 8"))
 
 
-def table(argv_common: list[str], models: list[str] | None = None) -> str:
-    """The docs' table: every TABLE_ROWS setting (1 GPU, or 8 with FSDP2) at every TABLE_CTX (of
-    `models` only, when given: two processes can share the work)."""
+def table(argv_common: list[str], rows: list[str] | None = None) -> str:
+    """The docs' table: every TABLE_ROWS setting (1 GPU, or 8 with FSDP2) at every TABLE_CTX; only
+    the rows whose key starts with one of `rows` when given (e.g. "ouro", "huginn-lora": processes
+    can share the work)."""
     lines = ["| model | training | GPUs | " + " | ".join(f"{c // 1024}k tokens" for c in TABLE_CTX) + " |",
              "|---|---|---|" + "---|" * len(TABLE_CTX)]
-    for model, extra, what in TABLE_ROWS:
-        if models and model not in models:
+    for key, model, extra, what in TABLE_ROWS:
+        if rows and not any(key.startswith(r) for r in rows):
             continue
         cells = []
         for c in TABLE_CTX:
             r = estimate(parse(["--model", model, "--ctx", str(c), *extra, *argv_common]))
             cells.append(f"{r['peak_bytes'] / GB:.1f} GB {'fits' if r['fits'] else 'OOM'}, {r['tokens_per_s']:,.0f} tok/s")
-            print(f"{model} {what} {r['gpus']} GPU(s) ctx {c}: {cells[-1]} ({r['estimate_s']} s)", flush=True)
+            parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["bytes"].items())
+            print(f"{key} ctx {c}: {cells[-1]}; GB: {parts}; {r['flops_per_token']:.3g} FLOPs/token "
+                  f"({r['estimate_s']} s here)", flush=True)
         lines.append(f"| {model} (r_max {r['r_max']}) | {what} | {r['gpus']}{' FSDP2' if r['fsdp'] else ''} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -370,8 +376,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--check", action="store_true", help="estimate vs a real run's measured peak (narrow Ouro structure)")
     p.add_argument("--check-ctx", type=int, default=2048)
-    p.add_argument("--table", nargs="*", default=None, metavar="MODEL",
-                   help="print the docs' table (TABLE_ROWS x TABLE_CTX; only these models' rows when named)")
+    p.add_argument("--table", nargs="*", default=None, metavar="ROW",
+                   help="print the docs' table (TABLE_ROWS x TABLE_CTX; only the rows whose key starts with a ROW "
+                        "given: ouro, huginn, ouro-full-1, ouro-lora-1, ouro-full-8, huginn-full-8, huginn-lora-1, huginn-full-1)")
     return p.parse_args(argv)
 
 
