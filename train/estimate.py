@@ -33,6 +33,7 @@ import json
 import math
 import time
 import warnings
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -152,9 +153,12 @@ class _Peak(MemTracker):
     op: minutes for a looped model) and, beside it, the peak of what is not weights, gradients or
     optimizer state (FSDP's sharded categories are added to that one)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, top: bool = False):
         super().__init__()
         self.dynamic_peak = 0
+        # `top`: remember the op that made each storage, and what is alive near the peak (a snapshot
+        # whenever the peak grows by 1%; a diagnostic, it costs a pass over the live storages)
+        self.top, self.op_of, self.at_peak, self._snap_at = top, {}, Counter(), 0
         # MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: mark
         # those as hooked already (a handle whose remove() does nothing)
         for p in model.parameters():
@@ -166,6 +170,11 @@ class _Peak(MemTracker):
             if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(snap)
+                if self.top and snap[_TOTAL_KEY] > 1.01 * self._snap_at:
+                    self._snap_at = snap[_TOTAL_KEY]
+                    self.at_peak = Counter()
+                    for st, (w, _) in list(self._WINFO.items()):
+                        self.at_peak[(w.reftype.value, self.op_of.get(id(w), "?"), w.mem_consumed)] += 1
             dyn = snap[_TOTAL_KEY] - snap[_MemRefType.GRAD] - snap[_MemRefType.OPT]
             self.dynamic_peak = max(self.dynamic_peak, dyn)
 
@@ -178,6 +187,12 @@ class _Peak(MemTracker):
         reftype = (_MemRefType.OPT if self._in_opt else
                    _MemRefType.TEMP if self._mod_tracker.is_bw and not self._in_ac else _MemRefType.ACT)
         tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+        if self.top:
+            for t in tree_leaves(res):
+                if isinstance(t, torch.Tensor):
+                    w = self._WINFO.get(t.untyped_storage(), (None, None))[0]
+                    if w is not None:
+                        self.op_of.setdefault(id(w), func.__name__)
         self._update_peak_stats(None)
         return res
 
@@ -210,7 +225,7 @@ class _Roofline(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- one step
 def run_step(cfg: LoopConfig, ctx: int, batch: int, options: dict, *, lora_rank: int = 0, autocast: bool = True,
-             fsdp: bool = False, fake: bool = True, peak_flops: float = 989e12, hbm_bw: float = 3.35e12,
+             fsdp: bool = False, fake: bool = True, top: int = 0, peak_flops: float = 989e12, hbm_bw: float = 3.35e12,
              seed: int = 0) -> dict:
     """One training step of train/shared_kv.py under the tracker: bytes at the peak by category, the
     peak of the rest (no gradients / optimizer state), FLOPs, bytes moved, roofline seconds. `fake`:
@@ -232,7 +247,7 @@ def run_step(cfg: LoopConfig, ctx: int, batch: int, options: dict, *, lora_rank:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(cfg.vocab_size, (batch, ctx + 1), generator=None if fake else g)
         step = Step(model, policy, options)
-        tracker, roof = _Peak(model), _Roofline(peak_flops, hbm_bw)
+        tracker, roof = _Peak(model, top > 0), _Roofline(peak_flops, hbm_bw)
         tracker.track_external(model, ids, *([opt] if opt else []))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # MemTracker: "Module is None. Skipping PRE_BW hook." per block
@@ -250,7 +265,9 @@ def run_step(cfg: LoopConfig, ctx: int, batch: int, options: dict, *, lora_rank:
                 "dynamic_peak": tracker.dynamic_peak, "flops": roof.flops, "bytes_moved": roof.bytes,
                 "roofline_s": roof.seconds, "trainable_params": sum(p.numel() for p in params),
                 "params": sum(p.numel() for p in model.parameters()), "unit_params": unit,
-                "loss_finite": None if fake else bool(torch.isfinite(loss))}
+                "loss_finite": None if fake else bool(torch.isfinite(loss)),
+                "top": [{"category": c, "op": op, "bytes": b, "count": n}
+                        for (c, op, b), n in sorted(tracker.at_peak.items(), key=lambda x: -x[0][2] * x[1])[:top]]}
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -264,7 +281,7 @@ def estimate(a: argparse.Namespace) -> dict:
                "backprop_depth": a.backprop_depth, "ce_chunk": a.ce_chunk}
     t0 = time.perf_counter()
     m = run_step(cfg, a.ctx, a.batch, options, lora_rank=a.lora_rank if a.lora else 0, autocast=a.dtype == "bf16",
-                 fsdp=a.fsdp, peak_flops=a.peak_flops, hbm_bw=a.hbm_bw)
+                 fsdp=a.fsdp, top=a.top, peak_flops=a.peak_flops, hbm_bw=a.hbm_bw)
     cats = {k: m[k] for k in CATEGORIES}
     P, Pt, N = m["params"], m["trainable_params"], a.gpus
     comm = 0.0
@@ -296,7 +313,7 @@ def estimate(a: argparse.Namespace) -> dict:
                       f"{', communication added unoverlapped at %.3g B/s' % a.link_bw if N > 1 else ''}",
             "sharding": sharding, "lora_note": f"LoRA modelled: base frozen bf16, rank-{a.lora_rank} fp32 adapters "
                                                f"on {'/'.join(LORA_TARGETS)}" if a.lora else None,
-            "estimate_s": round(time.perf_counter() - t0, 1)}
+            "top_at_peak": m["top"], "estimate_s": round(time.perf_counter() - t0, 1)}
 
 
 def check(ctx: int = 2048, hidden: int = 128, vocab: int = 2048, seed: int = 0) -> dict:
@@ -373,6 +390,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hbm-bw", type=float, default=3.35e12, help="memory bandwidth, B/s (H100 SXM)")
     p.add_argument("--link-bw", type=float, default=450e9, help="GPU-GPU bandwidth per direction, B/s (NVLink 4)")
     p.add_argument("--mfu", type=float, default=0.4, help="the share of the per-op roofline the kernels reach")
+    p.add_argument("--top", type=int, default=0, help="list the N largest groups of tensors alive at the peak "
+                   "(category, the op that made them, size, count): a diagnostic, slower")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--check", action="store_true", help="estimate vs a real run's measured peak (narrow Ouro structure)")
     p.add_argument("--check-ctx", type=int, default=2048)
@@ -409,6 +428,8 @@ def main(argv=None) -> None:
         print(f"  {k:16s} {v / GB:8.2f} GB")
     print(f"FLOPs per trained token {r['flops_per_token']:.3g}; step {r['step_s']:.3f} s; {r['tokens_per_s']:,.0f} tokens/s "
           f"over {r['gpus']} GPU(s)")
+    for t in r["top_at_peak"]:
+        print(f"  at the peak: {t['count']:4d} x {t['bytes'] / 2**20:9.1f} MiB {t['category']:10s} made by {t['op']}")
     print(f"method: {r['method']} ({r['estimate_s']} s here)")
 
 
