@@ -345,17 +345,17 @@ TABLE_ROWS = (("ouro-full-1", "ouro-1.4b", [], "full"), ("ouro-lora-1", "ouro-1.
               ("huginn-full-1", "huginn-3.5b", ["--r-max", "32", "--backprop-depth", "8"], "full, backprop 8"))
 
 
-def table(argv_common: list[str], rows: list[str] | None = None) -> str:
+def table(argv_common: list[str], rows: list[str] | None = None, ctxs: tuple[int, ...] = TABLE_CTX) -> str:
     """The docs' table: every TABLE_ROWS setting (1 GPU, or 8 with FSDP2) at every TABLE_CTX; only
     the rows whose key starts with one of `rows` when given (e.g. "ouro", "huginn-lora": processes
     can share the work)."""
-    lines = ["| model | training | GPUs | " + " | ".join(f"{c // 1024}k tokens" for c in TABLE_CTX) + " |",
-             "|---|---|---|" + "---|" * len(TABLE_CTX)]
+    lines = ["| model | training | GPUs | " + " | ".join(f"{c // 1024}k tokens" for c in ctxs) + " |",
+             "|---|---|---|" + "---|" * len(ctxs)]
     for key, model, extra, what in TABLE_ROWS:
         if rows and not any(key.startswith(r) for r in rows):
             continue
         cells = []
-        for c in TABLE_CTX:
+        for c in ctxs:
             r = estimate(parse(["--model", model, "--ctx", str(c), *extra, *argv_common]))
             cells.append(f"{r['peak_bytes'] / GB:.1f} GB {'fits' if r['fits'] else 'OOM'}, {r['tokens_per_s']:,.0f} tok/s")
             parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["bytes"].items())
@@ -393,6 +393,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=0, help="list the N largest groups of tensors alive at the peak "
                    "(category, the op that made them, size, count): a diagnostic, slower")
     p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--table-ctx", type=int, nargs="+", default=list(TABLE_CTX), help="the table's columns")
     p.add_argument("--check", action="store_true", help="estimate vs a real run's measured peak (narrow Ouro structure)")
     p.add_argument("--check-ctx", type=int, default=2048)
     p.add_argument("--table", nargs="*", default=None, metavar="ROW",
@@ -413,7 +414,7 @@ def main(argv=None) -> None:
     if a.table is not None:
         common = ["--dtype", a.dtype, "--mfu", str(a.mfu), "--gpu-gb", str(a.gpu_gb), "--ce-chunk", str(a.ce_chunk),
                   "--checkpoint", a.checkpoint, "--pass1-sweeps", str(a.pass1_sweeps)]
-        print(table(common, a.table))
+        print(table(common, a.table, tuple(a.table_ctx)))
         return
     r = estimate(a)
     if a.json:
