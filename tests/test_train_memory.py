@@ -189,3 +189,16 @@ def test_log_reports_tokens_per_s_and_flops_per_token(tmp_path):
     # 3 sweeps (2 context + the loss sweep) x r_max steps x 2 FLOPs per weight, forward only
     assert recs[0]["flops_per_token"] > 3 * m.cfg.r_max * 2 * core
     print("flops/token", recs[0]["flops_per_token"], "core params", core)
+
+
+def test_flop_count_equals_torch_flop_counter():
+    """train.flops.FlopCount (what the training log uses) counts what FlopCounterMode counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.flops import FlopCount
+    m, pol, ids = setup("huginn-tiny")
+    with FlopCounterMode(display=False) as ref:
+        training_loss(m, ids, pol, checkpoint=True).backward()
+    with FlopCount() as got:
+        training_loss(m, ids, pol, checkpoint=True).backward()
+    assert got.flops == ref.get_total_flops() > 0

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -65,6 +64,7 @@ from looplm.cli import UserError
 from train.common import TOKENIZER, History, init_wandb, token_ce
 from train.datasource import Tokens, from_corpus, from_dataset, from_npy
 from train.kv_emulation import LAYOUTS, Sweep, converge, sweep
+from train.flops import FlopCount
 from train.lora import add_lora, merge_lora
 
 
@@ -379,12 +379,13 @@ class SharedKVObjective(nn.Module):
 
 @contextlib.contextmanager
 def flop_counter(enabled: bool):
-    """torch's FlopCounterMode around one training step (None when not enabled)."""
+    """A FLOP count around one training step (None when not enabled): train.flops.FlopCount, torch's
+    per-op formulas without FlopCounterMode's module tracking (which kept the checkpointed layers'
+    activations alive: 4.5x the step's peak at 1,024 tokens)."""
     if not enabled:
         yield None
         return
-    from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as fc:
+    with FlopCount() as fc:
         yield fc
 
 
@@ -634,12 +635,16 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
             {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
-            "context_grad", "gate_grad", "backprop_depth", "lora_rank", "lora_alpha", "max_stale_depth", "min_pass1_sweeps", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
+            "context_grad", "gate_grad", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
     return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),
             "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size,
-            # only when set: runs from before --grad-accum (no such key) stay resumable
-            **({"grad_accum": a.grad_accum} if a.grad_accum != 1 else {})}
+            # only when set: runs from before these settings (no such keys) stay resumable
+            **{k: getattr(a, k) for k, default in LATER_KEYS.items() if getattr(a, k) != default}}
+
+
+# settings added after runs existed, with their defaults (identity: recorded only when not the default)
+LATER_KEYS = {"grad_accum": 1, "backprop_depth": None, "lora_rank": 0, "lora_alpha": None, "min_pass1_sweeps": None}
 
 
 def local_param_bytes(module: nn.Module) -> int:
@@ -890,7 +895,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
             outs = optimizer_step(acc, obj, opt, sched, micros, a.clip, stale)  # training_loss's parts per micro-batch
         tokens = sum(int(b[:, 1:].numel()) for b, _, _ in micros)  # the targets this rank trained on
         if fc is not None:
-            flops_per_token = fc.get_total_flops() / tokens
+            flops_per_token = fc.flops / tokens
         train_s += time.perf_counter() - t_step
         window_tokens += tokens * acc.num_processes
         # the step's record: the mean over its micro-batches (the staleness: micro-batch 0's)
