@@ -58,7 +58,7 @@ def test_json_keys_and_sharding(capsys):
     assert four["tokens_per_s"] > one["tokens_per_s"]
 
 
-def test_lora_trains_only_the_adapters(capsys):
+def test_lora_trains_adapters_and_gate_heads_only(capsys):
     estimate.main(["--model", "huginn-tiny", "--ctx", "32", "--lora", "--lora-rank", "4", "--json"])
     r = json.loads(capsys.readouterr().out)
     assert 0 < r["trainable_params"] < r["params"] / 5
