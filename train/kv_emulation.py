@@ -185,7 +185,8 @@ def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, hidden, prev
 
 def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prev: Sweep | None = None,
           prompt_len: int = 1, step_hidden: bool = False, checkpoint: bool | str = False, prompt_grad: bool = False,
-          backprop_depth: int | None = None, logits: bool = True, record_core: bool = True) -> Sweep:
+          backprop_depth: int | None = None, logits: bool = True, record_core: bool = True,
+          reduce_kv: bool = False) -> Sweep:
     """One parallel pass of the loop over ids [B, T] (see the module docstring). Runs with or
     without grad, as the caller's context decides. Context K/V from `prev` are used as they are:
     if `prev` ran with grad, the gradient flows into it (nothing is detached here; a caller that
@@ -195,7 +196,8 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     (the earlier ones run without it and their state is a constant: truncated backprop, Huginn's
     recipe). `logits`: also the [B, T, V] exit logits (a loss computes them in chunks from
     exit_hidden instead). `step_hidden`: keep what the head reads after every step. `record_core`:
-    record the core K/V (a loss sweep's are never read).
+    record the core K/V (a loss sweep's are never read). `reduce_kv`: keep each position's core K/V
+    at its exit depth only (Sweep.at_depth, the shared layout's context), never all steps stacked.
     `prompt_grad` (with a `prev` whose K/V carry no grad): the prompt's context K/V come from a
     fresh pass over the prompt alone, with grad: the same values (a prompt never depends on a sweep:
     full depth, fresh depth-major attention), but the loss of the positions after it now reaches the
@@ -213,10 +215,9 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
         prev_has_grad = any(k.requires_grad for k, _ in core)
         if prompt_grad and not prev_has_grad and prompt_len > 0 and layout != "full_depth" and torch.is_grad_enabled():
             P = min(prompt_len, T)
+            # (reduced as prev is: the prompt runs at full depth, its context is its last step's)
             pre = sweep(model, ids[:, :P], policy, layout, None, P, checkpoint=checkpoint,
-                        backprop_depth=backprop_depth, logits=False)
-            if prev.kv_at_depth:
-                pre = pre.at_depth()  # the prompt runs at full depth: its context is its last step's
+                        backprop_depth=backprop_depth, logits=False, reduce_kv=prev.kv_at_depth)
             core = [(torch.cat([pk, k[:, :, P:]], 2), torch.cat([pv, v[:, :, P:]], 2))
                     for (pk, pv), (k, v) in zip(pre.core_kv, core)]
             coda = [(torch.cat([pk, k[:, P:]], 1), torch.cat([pv, v[:, P:]], 1)) for (pk, pv), (k, v) in zip(pre.coda_kv, coda)]
@@ -256,11 +257,27 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
         exit_state = st.gather(0, (depths - 1)[None, :, :, None].expand(1, *st.shape[1:]))[0]
         exit_hidden = model.coda(exit_state, rope, rec.fixed(0, "exit"))
     rec.recording = False
-    core_kv = [(torch.stack([k for k, _ in rec.core[l]]), torch.stack([v for _, v in rec.core[l]]))
-               for l in sorted(rec.core)]
-    coda_kv = [rec.coda[l] for l in sorted(rec.coda)]
+    # the recorder outlives the sweep (checkpointed layers keep its attend functions for their
+    # recomputation): hand its recorded K/V over and empty it, one layer at a time, so that no
+    # step's K/V stays alive through it, nor twice at once
+    core_kv = []
+    for l in sorted(rec.core):
+        ks, vs = zip(*rec.core.pop(l))
+        core_kv.append((_at_depth(ks, depths), _at_depth(vs, depths)) if reduce_kv else (torch.stack(ks), torch.stack(vs)))
+        del ks, vs
+    coda_kv = [rec.coda.pop(l) for l in sorted(rec.coda)]
     return Sweep(states, sc, depths, core_kv, coda_kv, model.head(exit_hidden) if logits else None,
-                 hidden_list if step_hidden else None, exit_hidden)
+                 hidden_list if step_hidden else None, exit_hidden, kv_at_depth=reduce_kv)
+
+
+def _at_depth(per_step: tuple[torch.Tensor, ...], depths: torch.Tensor) -> torch.Tensor:
+    """[1, B, T, ...]: each position's entry of per_step (one [B, T, ...] per loop step) at its exit
+    depth, without stacking the steps (torch.where's backward keeps only the condition)."""
+    out = per_step[0]
+    for s in range(1, len(per_step)):
+        pick = (depths > s).view(*depths.shape, *([1] * (out.dim() - depths.dim())))
+        out = torch.where(pick, per_step[s], out)
+    return out[None]
 
 
 def _coda(model: LoopedLM, state: torch.Tensor, rope, attend_for, checkpoint: bool) -> torch.Tensor:

@@ -200,8 +200,8 @@ def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "sh
     for i in range(pass1_sweeps):
         with torch.set_grad_enabled(torch.is_grad_enabled() and i >= pass1_sweeps - n_grad):
             cur = sweep(model, x, policy, layout, cur, prompt_len, checkpoint=checkpoint,
-                        backprop_depth=backprop_depth, logits=False)
-        cur = dataclasses.replace(cur.at_depth() if layout == "shared" else cur, states=[])
+                        backprop_depth=backprop_depth, logits=False, reduce_kv=layout == "shared")
+        cur = dataclasses.replace(cur, states=[])
     return cur
 
 
@@ -425,9 +425,10 @@ def prompt_grad(a: argparse.Namespace) -> bool:
 
 def decode_mean(x: torch.Tensor, mask: torch.Tensor | None, prompt_len: int) -> torch.Tensor:
     """Mean of x [B, T] over the decode positions (>= prompt_len) that are targets (mask [B, T]; None: all)."""
-    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.clone()
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool().clone()
     keep[:, :prompt_len] = False
-    return x[keep].mean() if keep.any() else x.new_zeros(())
+    # no data-dependent shapes nor host reads: no GPU sync per step (0 when nothing is kept)
+    return (x * keep).sum() / keep.sum().clamp(min=1)
 
 
 def policy_for(cfg, a: argparse.Namespace, threshold: float | None = None) -> ExitPolicy:
