@@ -106,14 +106,12 @@ def layer_checkpointing(model: LoopedLM, enabled: bool = True):
         model.checkpoint_layers = old
 
 
-def checkpointed_step(model: LoopedLM, state: torch.Tensor, inj, rope, attend_for: AttendFor, enabled: bool = True,
-                      before=None) -> torch.Tensor:
+def checkpointed_step(model: LoopedLM, state: torch.Tensor, inj, rope, attend_for: AttendFor,
+                      enabled: bool = True) -> torch.Tensor:
     """model.core_step under activation checkpointing (non-reentrant): the step's activations are
-    recomputed in the backward pass instead of kept. `before()` runs before the forward and again
-    before the recomputation (it restores any state `attend_for` reads, e.g. the loop step)."""
+    recomputed in the backward pass instead of kept (attend_for must not depend on state that changes
+    meanwhile: kv_emulation's recorder fixes the loop step in it)."""
     def fn(st, ij):
-        if before is not None:
-            before()
         return model.core_step(st, ij, rope, attend_for)
     if not enabled or not torch.is_grad_enabled():
         return fn(state, inj)

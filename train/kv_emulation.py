@@ -54,23 +54,13 @@ class Sweep:
     scores: torch.Tensor | None  # [S, B, T] criterion scores (None: full depth)
     depths: torch.Tensor  # [B, T] exit depth of each position
     # per core layer: K, V [S, B, T, KVH, Dh]; with kv_at_depth, [1, B, T, KVH, Dh]: each position's
-    # K/V at its exit depth only (`at_depth`, the shared layout's context)
+    # K/V at its exit depth only (sweep(..., reduce_kv=True), the shared layout's context)
     core_kv: list[tuple[torch.Tensor, torch.Tensor]]
     coda_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per coda layer: K, V [B, T, KVH, Dh] (exit states)
     exit_logits: torch.Tensor | None  # [B, T, V] (sweep(..., logits=True))
     step_hidden: list[torch.Tensor] | None = None  # per step what the head reads [B, T, D], when asked for
     exit_hidden: torch.Tensor | None = None  # [B, T, D] what the head reads at each position's exit depth
     kv_at_depth: bool = False
-
-    def at_depth(self) -> "Sweep":
-        """The shared layout reads each earlier position's K/V at its exit depth only: keep those
-        and drop the other steps' K/V (the gather's backward needs no input, so nothing else stays
-        alive for them)."""
-        if self.kv_at_depth:
-            return self
-        idx = (self.depths - 1)[None, :, :, None, None]
-        kv = [(K.gather(0, idx.expand(1, *K.shape[1:])), V.gather(0, idx.expand(1, *V.shape[1:]))) for K, V in self.core_kv]
-        return dataclasses.replace(self, core_kv=kv, kv_at_depth=True)
 
 
 def context_mask(T: int, prompt_len: int, device) -> torch.Tensor:
@@ -104,10 +94,8 @@ class _Recorder:
 
     def __init__(self, layout: str, prev: Sweep | None, prompt_len: int, record_core: bool = True):
         self.layout, self.prev, self.prompt_len, self.record_core = layout, prev, prompt_len, record_core
-        self.step = 0  # current core step (1-based); 0 outside the loop
         self.core: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.coda: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.coda_mode = "exit"  # "exit": the exit-state coda (recorded); "step": per-step logits
         # off once the sweep ends: a layer recomputed in the backward pass (checkpointing) records nothing
         self.recording = True
         self._mask: torch.Tensor | None = None
@@ -130,8 +118,9 @@ class _Recorder:
         return self._mask
 
     def fixed(self, step: int, coda_mode: str):
-        """attend_for with the loop step and coda mode fixed (what a checkpointed recomputation in the
-        backward pass must see, whatever the recorder's step is by then)."""
+        """attend_for at loop `step` (0: outside the loop) with `coda_mode` "exit" (the exit-state coda,
+        recorded) or "step" (per-step logits against the context's coda K/V). Both are fixed when the
+        attend functions are made: a checkpointed recomputation in the backward pass sees them too."""
         def attend_for(stage: str, layer: int):
             def attend(q, k, v):
                 if stage == "core":
@@ -150,8 +139,8 @@ class _Recorder:
             return attend
         return attend_for
 
-    def __call__(self, stage: str, layer: int):
-        return self.fixed(self.step, self.coda_mode)(stage, layer)
+    def __call__(self, stage: str, layer: int):  # the prelude's attend_for
+        return self.fixed(0, "exit")(stage, layer)
 
 
 @torch.no_grad()
@@ -197,7 +186,7 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     recipe). `logits`: also the [B, T, V] exit logits (a loss computes them in chunks from
     exit_hidden instead). `step_hidden`: keep what the head reads after every step. `record_core`:
     record the core K/V (a loss sweep's are never read). `reduce_kv`: keep each position's core K/V
-    at its exit depth only (Sweep.at_depth, the shared layout's context), never all steps stacked.
+    at its exit depth only (the shared layout's context), never all steps stacked.
     `prompt_grad` (with a `prev` whose K/V carry no grad): the prompt's context K/V come from a
     fresh pass over the prompt alone, with grad: the same values (a prompt never depends on a sweep:
     full depth, fresh depth-major attention), but the loss of the positions after it now reaches the
@@ -232,7 +221,6 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     with layer_checkpointing(model, by_layer):
         state, inj = model.prelude(ids, rope, rec)
         for s in range(1, S + 1):
-            rec.step = s
             with torch.set_grad_enabled(grad and s > first_grad):
                 new = checkpointed_step(model, state, inj, rope, rec.fixed(s, "exit"), checkpoint == "step")
             if not (grad and s > first_grad):
@@ -246,7 +234,6 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
                 scores.append(sc)
             states.append(new)
             state, prev_hidden = new, hidden
-        rec.step = 0
         sc = torch.stack(scores) if scores and policy.adaptive else None
         if sc is None:
             depths = torch.full(ids.shape, S, dtype=torch.long, device=ids.device)

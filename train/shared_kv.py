@@ -194,7 +194,7 @@ def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "sh
     sweeps (their context becomes a constant), 0 is the old detached context. Inside torch.no_grad()
     everything runs without grad, as the caller asked. A context keeps only what the next sweep
     reads: no states, no logits, and under the shared layout each position's K/V at its exit depth
-    only (Sweep.at_depth)."""
+    only (kv_emulation.sweep's reduce_kv)."""
     n_grad = pass1_sweeps if context_grad is None else max(0, min(int(context_grad), pass1_sweeps))
     cur = None
     for i in range(pass1_sweeps):
