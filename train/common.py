@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from looplm.exits import step_scores
 from looplm.policy import ExitPolicy
 from looplm.model import AttendFor, LoopedLM, plain_attend_for
+from train.packing import doc_attend_for, doc_positions
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache"
@@ -119,12 +120,17 @@ def checkpointed_step(model: LoopedLM, state: torch.Tensor, inj, rope, attend_fo
 
 
 def run_loop(model: LoopedLM, ids: torch.Tensor, steps: int, attend_for: AttendFor = plain_attend_for,
-             grad_steps: int | None = None, init_scale: float = 0.0, checkpoint: bool = False):
+             grad_steps: int | None = None, init_scale: float = 0.0, checkpoint: bool = False,
+             docs: torch.Tensor | None = None):
     """Prelude + `steps` core steps. Returns (states [s_1..s_steps], inj, rope, s_0). With
     `grad_steps`, only the last `grad_steps` core steps keep a graph (truncated backprop, Huginn-style).
-    `checkpoint`: activation checkpointing per core step (`--gradient-checkpointing`)."""
+    `checkpoint`: activation checkpointing per core step (`--gradient-checkpointing`). `docs` [B, T]:
+    documents packed into each row (train/packing.py): positions restart per document and the
+    attention stays inside it (then `attend_for` must be the plain one: the returned rope and the
+    caller's coda must use `docs_attend_for(docs, attend_for)` too)."""
     T = ids.shape[1]
-    rope = model.rope(torch.arange(T, device=ids.device))
+    attend_for = docs_attend_for(docs, attend_for)
+    rope = model.rope(doc_positions(docs) if docs is not None else torch.arange(T, device=ids.device))
     state, inj = model.prelude(ids, rope, attend_for, init_scale)
     s0 = state
     states = []
@@ -140,6 +146,15 @@ def run_loop(model: LoopedLM, ids: torch.Tensor, steps: int, attend_for: AttendF
     return states, inj, rope, s0
 
 
+def docs_attend_for(docs: torch.Tensor | None, attend_for: AttendFor = plain_attend_for) -> AttendFor:
+    """`attend_for` itself without packed documents, the document-bounded attention with them."""
+    if docs is None:
+        return attend_for
+    if attend_for is not plain_attend_for:
+        raise ValueError("packed documents (docs) take the plain attention only, not another attend_for")
+    return doc_attend_for(docs)
+
+
 def logits_of(model: LoopedLM, state: torch.Tensor, rope, attend_for: AttendFor = plain_attend_for) -> torch.Tensor:
     return model.head(model.coda(state, rope, attend_for))
 
@@ -151,11 +166,13 @@ def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def per_step_outputs(model: LoopedLM, ids: torch.Tensor, targets: torch.Tensor, steps: int,
-                     attend_for: AttendFor = plain_attend_for, need_kl: bool = True) -> dict[str, torch.Tensor]:
+                     attend_for: AttendFor = plain_attend_for, need_kl: bool = True,
+                     docs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-step CE, gate logits, KL(prev||cur) and latent diff for every token: each [S, B, T].
     Step s uses its own logits, so picking step d's CE per token equals running the full forward
     with d loops (the depth-indexed layout with last-exited filling)."""
-    states, inj, rope, prev_state = run_loop(model, ids, steps, attend_for)  # s_0: zeros for Huginn
+    states, inj, rope, prev_state = run_loop(model, ids, steps, attend_for, docs=docs)  # s_0: zeros for Huginn
+    attend_for = docs_attend_for(docs, attend_for)
     ce, gate, kl, lat = [], [], [], []
     prev_logp = None
     for st in states:

@@ -41,6 +41,7 @@ from looplm.layers import causal_attend
 from looplm.model import LoopedLM
 from looplm.policy import ExitPolicy
 from train.common import checkpointed_step, exit_depths, layer_checkpointing
+from train.packing import doc_attend, doc_positions, prompt_positions, same_doc
 
 LAYOUTS = tuple(sorted(ENGINE_LAYOUTS))  # the engine's layouts, each emulated exactly below
 
@@ -63,13 +64,21 @@ class Sweep:
     kv_at_depth: bool = False
 
 
-def context_mask(T: int, prompt_len: int, device) -> torch.Tensor:
+def context_mask(T: int, prompt_len: int | torch.Tensor, device, docs: torch.Tensor | None = None) -> torch.Tensor:
     """[T, 2T] keys each query attends to over [fresh K/V; context K/V]: a decode query p >= prompt_len
-    its own fresh K/V and the context K/V of j < p; a prompt query the fresh K/V of j <= p."""
+    its own fresh K/V and the context K/V of j < p; a prompt query the fresh K/V of j <= p.
+    With packed documents (`docs` [B, T], train/packing.py) or per-position prompts (`prompt_len` a
+    bool [B, T]): [B, 1, T, 2T], the same inside each document and nothing across documents."""
     p = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None, :]
-    fresh = (j == p) | ((p < prompt_len) & (j <= p))
-    return torch.cat([fresh, (j < p) & (p >= prompt_len)], dim=1)
+    if docs is None and not isinstance(prompt_len, torch.Tensor):
+        fresh = (j == p) | ((p < prompt_len) & (j <= p))
+        return torch.cat([fresh, (j < p) & (p >= prompt_len)], dim=1)
+    B = docs.shape[0] if docs is not None else prompt_len.shape[0]
+    prompt = prompt_positions(prompt_len, (B, T), docs, device)[:, None, :, None]  # [B, 1, T(query), 1]
+    same = same_doc(docs) if docs is not None else torch.ones(1, 1, T, T, dtype=torch.bool, device=device)
+    fresh = ((j == p) | (prompt & (j <= p))) & same
+    return torch.cat([fresh, (j < p) & ~prompt & same], dim=-1)
 
 
 def context_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
@@ -92,8 +101,12 @@ def context_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.
 class _Recorder:
     """attend_for over a sweep: records every core/coda K/V and mixes in the context."""
 
-    def __init__(self, layout: str, prev: Sweep | None, prompt_len: int, record_core: bool = True):
+    def __init__(self, layout: str, prev: Sweep | None, prompt_len: int | torch.Tensor, record_core: bool = True,
+                 docs: torch.Tensor | None = None):
         self.layout, self.prev, self.prompt_len, self.record_core = layout, prev, prompt_len, record_core
+        self.docs = docs
+        # the attention without a context: causal, inside each document when documents are packed
+        self.plain = causal_attend if docs is None else doc_attend(docs)
         self.core: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.coda: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # off once the sweep ends: a layer recomputed in the backward pass (checkpointing) records nothing
@@ -114,7 +127,7 @@ class _Recorder:
 
     def mask(self, q: torch.Tensor) -> torch.Tensor:
         if self._mask is None:
-            self._mask = context_mask(q.shape[1], self.prompt_len, q.device)
+            self._mask = context_mask(q.shape[1], self.prompt_len, q.device, self.docs)
         return self._mask
 
     def fixed(self, step: int, coda_mode: str):
@@ -127,7 +140,7 @@ class _Recorder:
                     if self.recording and self.record_core:
                         self.core.setdefault(layer, []).append((k, v))
                     if self.prev is None or self.layout == "full_depth":
-                        return causal_attend(q, k, v)
+                        return self.plain(q, k, v)
                     return context_attend(q, k, v, *self.context(layer, step), self.prompt_len, self.mask(q))
                 if stage == "coda":
                     if coda_mode == "exit":
@@ -135,7 +148,7 @@ class _Recorder:
                             self.coda[layer] = (k, v)
                     elif self.prev is not None:
                         return context_attend(q, k, v, *self.prev.coda_kv[layer], self.prompt_len, self.mask(q))
-                return causal_attend(q, k, v)
+                return self.plain(q, k, v)
             return attend
         return attend_for
 
@@ -173,9 +186,9 @@ def _scores(model: LoopedLM, policy: ExitPolicy, prev_state, state, hidden, prev
 
 
 def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prev: Sweep | None = None,
-          prompt_len: int = 1, step_hidden: bool = False, checkpoint: bool | str = False, prompt_grad: bool = False,
-          backprop_depth: int | None = None, logits: bool = True, record_core: bool = True,
-          reduce_kv: bool = False) -> Sweep:
+          prompt_len: int | torch.Tensor = 1, step_hidden: bool = False, checkpoint: bool | str = False,
+          prompt_grad: bool = False, backprop_depth: int | None = None, logits: bool = True, record_core: bool = True,
+          reduce_kv: bool = False, docs: torch.Tensor | None = None) -> Sweep:
     """One parallel pass of the loop over ids [B, T] (see the module docstring). Runs with or
     without grad, as the caller's context decides. Context K/V from `prev` are used as they are:
     if `prev` ran with grad, the gradient flows into it (nothing is detached here; a caller that
@@ -191,12 +204,18 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     fresh pass over the prompt alone, with grad: the same values (a prompt never depends on a sweep:
     full depth, fresh depth-major attention), but the loss of the positions after it now reaches the
     prompt's K/V (e.g. the final-step K/V that `shared` decode tokens read). A `prev` with grad
-    already carries that path, and the fresh pass is skipped."""
+    already carries that path, and the fresh pass is skipped.
+    `docs` [B, T]: the documents packed into each row (train/packing.py): positions restart and no
+    attention crosses a boundary; an int `prompt_len` is then every document's, and a bool [B, T]
+    `prompt_len` names the prompt positions themselves (each a leading run of its document)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; supported: {LAYOUTS}")
     if checkpoint not in (False, True, "layer", "step"):
         raise ValueError(f"checkpoint must be False, True / 'layer' or 'step', not {checkpoint!r}")
     S, T = policy.r_max, ids.shape[1]
+    per_position = docs is not None or isinstance(prompt_len, torch.Tensor)
+    if prompt_grad and per_position:
+        raise ValueError("prompt_grad needs one document per row with one prompt length (rows), not packed documents")
     if backprop_depth is not None and backprop_depth < 1:
         raise ValueError(f"backprop_depth must be >= 1 (or None: every step), not {backprop_depth}")
     if prev is not None:
@@ -214,8 +233,8 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
     grad = torch.is_grad_enabled()
     first_grad = 0 if backprop_depth is None else max(0, S - backprop_depth)
     by_layer = checkpoint in (True, "layer") and grad
-    rec = _Recorder(layout, prev, prompt_len, record_core)
-    rope = model.rope(torch.arange(T, device=ids.device))
+    rec = _Recorder(layout, prev, prompt_len, record_core, docs)
+    rope = model.rope(doc_positions(docs) if docs is not None else torch.arange(T, device=ids.device))
     need_hidden = step_hidden or policy.criterion in ("kl", "entropy_diff")
     states, scores, hidden_list, aux, prev_hidden = [], [], [], None, None
     with layer_checkpointing(model, by_layer):
@@ -239,7 +258,10 @@ def sweep(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str = 
             depths = torch.full(ids.shape, S, dtype=torch.long, device=ids.device)
         else:
             depths = exit_depths(sc.cpu(), policy).to(ids.device)
-        depths[:, :prompt_len] = S  # the prompt runs at full depth
+        if per_position:  # the prompt runs at full depth
+            depths = torch.where(prompt_positions(prompt_len, ids.shape, docs, ids.device), S, depths)
+        else:
+            depths[:, :prompt_len] = S
         st = torch.stack(states)  # [S, B, T, D]
         exit_state = st.gather(0, (depths - 1)[None, :, :, None].expand(1, *st.shape[1:]))[0]
         exit_hidden = model.coda(exit_state, rope, rec.fixed(0, "exit"))
@@ -275,15 +297,15 @@ def _coda(model: LoopedLM, state: torch.Tensor, rope, attend_for, checkpoint: bo
 
 
 @torch.no_grad()
-def converge(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str, prompt_len: int = 1,
-             max_sweeps: int = 12, tol: float = 1e-5) -> tuple[Sweep, int, float]:
+def converge(model: LoopedLM, ids: torch.Tensor, policy: ExitPolicy, layout: str, prompt_len: int | torch.Tensor = 1,
+             max_sweeps: int = 12, tol: float = 1e-5, docs: torch.Tensor | None = None) -> tuple[Sweep, int, float]:
     """Sweeps until exit depths and logits stop changing. Returns (sweep, sweeps run, last change)."""
-    cur = sweep(model, ids, policy, layout, None, prompt_len)
+    cur = sweep(model, ids, policy, layout, None, prompt_len, docs=docs)
     if layout == "full_depth":
         return cur, 1, 0.0
     change = float("inf")
     for n in range(2, max_sweeps + 1):
-        nxt = sweep(model, ids, policy, layout, cur, prompt_len)
+        nxt = sweep(model, ids, policy, layout, cur, prompt_len, docs=docs)
         change = (nxt.exit_logits - cur.exit_logits).abs().max().item()
         same_depths = bool((nxt.depths == cur.depths).all())
         cur = nxt

@@ -64,6 +64,7 @@ from looplm.cli import UserError
 from train.common import TOKENIZER, History, init_wandb, token_ce
 from train.datasource import Tokens, from_corpus, from_dataset, from_npy
 from train.kv_emulation import LAYOUTS, Sweep, converge, sweep
+from train.packing import prompt_from_targets, prompt_positions
 from train.flops import FlopCount
 from train.lora import add_lora, merge_lora
 
@@ -184,9 +185,9 @@ def head_ce(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 102
     return torch.cat(parts, dim=1)
 
 
-def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1,
+def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int | torch.Tensor = 1,
                    pass1_sweeps: int = 2, context_grad: int | None = None, checkpoint: bool | str = False,
-                   backprop_depth: int | None = None) -> Sweep | None:
+                   backprop_depth: int | None = None, docs: torch.Tensor | None = None) -> Sweep | None:
     """The sweeps that produce the loss sweep's context (`pass1_sweeps` of them, the first an ordinary
     causal loop). `context_grad`: how many of the LAST context sweeps run with grad (None: all). With
     all of them, the loss's gradient is the exact derivative of the loss computed (every context K/V
@@ -200,15 +201,15 @@ def context_sweeps(model, x: torch.Tensor, policy: ExitPolicy, layout: str = "sh
     for i in range(pass1_sweeps):
         with torch.set_grad_enabled(torch.is_grad_enabled() and i >= pass1_sweeps - n_grad):
             cur = sweep(model, x, policy, layout, cur, prompt_len, checkpoint=checkpoint,
-                        backprop_depth=backprop_depth, logits=False, reduce_kv=layout == "shared")
+                        backprop_depth=backprop_depth, logits=False, reduce_kv=layout == "shared", docs=docs)
         cur = dataclasses.replace(cur, states=[])
     return cur
 
 
 @torch.no_grad()
-def staleness(model, x: torch.Tensor, policy: ExitPolicy, layout: str, prompt_len: int, sw: Sweep,
+def staleness(model, x: torch.Tensor, policy: ExitPolicy, layout: str, prompt_len: int | torch.Tensor, sw: Sweep,
               targets: torch.Tensor | None = None, mask: torch.Tensor | None = None, rows: int | None = None,
-              tol: float = 1e-3) -> dict:
+              tol: float = 1e-3, docs: torch.Tensor | None = None) -> dict:
     """How far the training sweep `sw` is from the fixed point (the engine's sequential semantics),
     over the decode positions (>= prompt_len; with `mask` [B, T] the counted targets) of the first
     `rows` rows: the share of exit depths that differ, the largest and the mean per-position max
@@ -217,11 +218,15 @@ def staleness(model, x: torch.Tensor, policy: ExitPolicy, layout: str, prompt_le
     t0 = time.perf_counter()
     B = x.shape[0] if rows is None else min(rows, x.shape[0])
     x = x[:B]
+    docs = None if docs is None else docs[:B]
+    prompt = prompt_positions(prompt_len, x.shape, docs, x.device)[:B]
+    first_decode = int(prompt.sum(1).min())  # the sweeps that settle every position: T - first_decode + 2
     # tol: exit depths unchanged and logits within tol for one sweep (bit-exact settling can take T
     # sweeps in float arithmetic; 1e-3 is far below the gaps measured)
-    fp, n, _ = converge(model, x, policy, layout, prompt_len=prompt_len, max_sweeps=x.shape[1] - prompt_len + 2, tol=tol)
+    fp, n, _ = converge(model, x, policy, layout, prompt_len=prompt if isinstance(prompt_len, torch.Tensor) else prompt_len,
+                        max_sweeps=x.shape[1] - first_decode + 2, tol=tol, docs=docs)
     keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask[:B].bool().clone()
-    keep[:, :prompt_len] = False
+    keep &= ~prompt
     out = {"stale_depth_frac": 0.0, "stale_logit_gap": 0.0, "stale_logit_gap_mean": 0.0, "stale_ce_gap": 0.0}
     logits = sw.exit_logits[:B] if sw.exit_logits is not None else model.head(sw.exit_hidden[:B])
     if keep.any():
@@ -236,7 +241,7 @@ def staleness(model, x: torch.Tensor, policy: ExitPolicy, layout: str, prompt_le
 
 
 def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None, layout: str = "shared",
-               prompt_len: int = 1, *, mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
+               prompt_len: int | torch.Tensor = 1, *, docs: torch.Tensor | None = None, mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
                gate_margin: float = 0.1, gate_grad: str = "head", prompt_grad: bool = False,
                checkpoint: bool | str = False, backprop_depth: int | None = None, ce_chunk: int = 1024,
                measure_staleness: bool = False, staleness_rows: int | None = 2) -> dict:
@@ -244,13 +249,15 @@ def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None,
     reports and backpropagates) and its parts (see training_loss)."""
     x, tgt = ids[:, :-1], ids[:, 1:]
     tm = None if mask is None else mask[:, 1:]
+    xd = None if docs is None else docs[:, :-1]
+    prompt = prompt_positions(prompt_len, x.shape, xd, x.device)
     sw = sweep(model, x, policy, layout, prev, prompt_len, step_hidden=True, checkpoint=checkpoint,
-               prompt_grad=prompt_grad, backprop_depth=backprop_depth, logits=False, record_core=False)
+               prompt_grad=prompt_grad, backprop_depth=backprop_depth, logits=False, record_core=False, docs=xd)
     ce_exit = head_ce(model, sw.exit_hidden, tgt, ce_chunk)
     ce_steps = torch.stack([head_ce(model, h, tgt, ce_chunk) for h in sw.step_hidden])  # [S, B, T]
     lm = masked_mean(ce_exit, tm) + step_loss * masked_mean(ce_steps, tm)
     out = {"lm": lm, "ce_exit": masked_mean(ce_exit, tm).detach(), "ce_full": masked_mean(ce_steps[-1], tm).detach(),
-           "mean_depth": decode_mean(sw.depths.double(), tm, prompt_len)}
+           "mean_depth": decode_mean(sw.depths.double(), tm, prompt)}
     if train in ("all", "gate") and model.gate_logits(sw.states[0][:1, :1]) is not None:
         S = len(sw.states)
         gl = (lambda st: gate_logits_detached(model, st)) if gate_grad == "head" else model.gate_logits
@@ -261,7 +268,7 @@ def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None,
         labels = (depth_ce - c[-1:] < gate_margin).double()
         depth = torch.arange(1, S, device=g.device)[:, None, None] + shift
         gmask = ((depth >= policy.r_min) & (depth < S)).expand_as(g).clone()
-        gmask[:, :, :prompt_len] = False
+        gmask &= ~prompt[None]
         if tm is not None:
             gmask &= tm[None]
         bce = F.binary_cross_entropy_with_logits(g.double(), labels, reduction="none")
@@ -273,12 +280,12 @@ def loss_sweep(model, ids: torch.Tensor, policy: ExitPolicy, prev: Sweep | None,
     out["loss"] = (lm if train in ("all", "lm") else 0.0) + out["gate"].to(lm.dtype)
     out["_depths"] = sw.depths
     if measure_staleness:
-        out.update(staleness(model, x, policy, layout, prompt_len, sw, tgt, tm, staleness_rows))
+        out.update(staleness(model, x, policy, layout, prompt_len, sw, tgt, tm, staleness_rows, docs=xd))
     return out
 
 
-def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared", prompt_len: int = 1, *,
-                  mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
+def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "shared",
+                  prompt_len: int | torch.Tensor = 1, *, docs: torch.Tensor | None = None, mask: torch.Tensor | None = None, step_loss: float = 0.5, train: str = "all",
                   gate_margin: float = 0.1, pass1_sweeps: int = 2, context_grad: int | None = None,
                   gate_grad: str = "head", prompt_grad: bool = False, checkpoint: bool | str = False,
                   backprop_depth: int | None = None, ce_chunk: int = 1024,
@@ -287,7 +294,11 @@ def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "s
     """The loss of one training step of train/shared_kv.py, the tensor the run reports and backpropagates.
 
     ids: [B, T+1] token windows (inputs ids[:, :-1], targets ids[:, 1:]); mask [B, T+1]: the tokens
-    that count as targets (None: all); positions < prompt_len are a full-depth prompt. The policy
+    that count as targets (None: all); positions < prompt_len are a full-depth prompt. `docs` [B, T+1]:
+    the documents packed into each window (train/packing.py: positions restart, no attention across
+    them; prompt_len then counts per document, or is a bool [B, T] of the inputs' prompt positions,
+    packing.prompt_from_targets); a packed window is then the same computation as its documents run
+    one by one. The policy
     gives the exits (criterion, threshold, r_min, lookahead). `pass1_sweeps` context sweeps
     (context_sweeps), then the loss sweep: CE at each position's exit depth + `step_loss` x mean CE
     over all steps (train "all"/"lm"), + the exit gate's BCE (train "all"/"gate"; labels: the CE at
@@ -312,8 +323,8 @@ def training_loss(model, ids: torch.Tensor, policy: ExitPolicy, layout: str = "s
     if gate_grad not in ("head", "all"):
         raise ValueError(f"gate_grad must be 'head' or 'all', not {gate_grad!r}")
     prev = context_sweeps(model, ids[:, :-1], policy, layout, prompt_len, pass1_sweeps, context_grad, checkpoint,
-                          backprop_depth)
-    out = loss_sweep(model, ids, policy, prev, layout, prompt_len, mask=mask, step_loss=step_loss, train=train,
+                          backprop_depth, None if docs is None else docs[:, :-1])
+    out = loss_sweep(model, ids, policy, prev, layout, prompt_len, docs=docs, mask=mask, step_loss=step_loss, train=train,
                      gate_margin=gate_margin, gate_grad=gate_grad, prompt_grad=prompt_grad, checkpoint=checkpoint,
                      backprop_depth=backprop_depth, ce_chunk=ce_chunk,
                      measure_staleness=measure_staleness, staleness_rows=staleness_rows)
@@ -423,10 +434,11 @@ def prompt_grad(a: argparse.Namespace) -> bool:
     return a.prompt_grad == "on" or (a.prompt_grad == "auto" and getattr(a, "rows", None) is not None)
 
 
-def decode_mean(x: torch.Tensor, mask: torch.Tensor | None, prompt_len: int) -> torch.Tensor:
-    """Mean of x [B, T] over the decode positions (>= prompt_len) that are targets (mask [B, T]; None: all)."""
+def decode_mean(x: torch.Tensor, mask: torch.Tensor | None, prompt_len: int | torch.Tensor) -> torch.Tensor:
+    """Mean of x [B, T] over the decode positions (>= prompt_len, or not in a bool [B, T] prompt) that are
+    targets (mask [B, T]; None: all)."""
     keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool().clone()
-    keep[:, :prompt_len] = False
+    keep &= ~prompt_positions(prompt_len, x.shape, None, x.device)
     # no data-dependent shapes nor host reads: no GPU sync per step (0 when nothing is kept)
     return (x * keep).sum() / keep.sum().clamp(min=1)
 
