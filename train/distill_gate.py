@@ -1,6 +1,7 @@
 """Distil a lookahead head and / or a preloop gate from a checkpoint's frozen stock exit gate.
 
     accelerate launch train/distill_gate.py --model checkpoints/ouro-demo
+    python train/distill_gate.py --model path/to/huginn-0125 --add-gate --teacher loss --output .cache/runs/huginn-gate
     python train/distill_gate.py --model checkpoints/ouro-demo --output .cache/runs/ouro-gates --gates lookahead
 
 The whole model is frozen; only the new heads train (what the CDB paper's authors do for Ouro).
@@ -28,6 +29,18 @@ prefill: the loop state after every step and the prelude's output.
 A learned-gate teacher is a per-step probability, not a hazard; reading it as one is what lets a
 pdf be distilled (its serving rule stays its own: compare gates at matched mean depth).
 
+`--add-gate` (Huginn without a gate, e.g. Huginn-3.5B; Ouro always has one and is refused) first trains
+a new per-step exit gate, the architecture's `exit_gate` Linear(d -> 1) on gate_features(state), on the
+frozen model: BCE of its sigmoid at steps r_min..r_max-1 against a teacher's 0/1 targets (`--teacher
+loss`: the coda's next-token loss at depth s within `--margin` nats of the loss at r_max, the recipe of
+train/pretrain.py's stage II; `--teacher kl|latent_diff|entropy_diff`: that criterion at
+`--teacher-threshold` would have exited at or before s). Its threshold is the one whose mean exit depth
+on the held-out windows is the teacher's. OUTPUT (required, never --model) gets a copy of --model with
+exit_gate.weight / .bias among its own tensors (as checkpoints/huginn-demo keeps its gate) and
+config.json `exit_gate: true`, `exit_criterion: "learned"`, that `exit_threshold`: the engine's
+`learned` criterion serves it. `--gates` (default none with --add-gate) then distils the heads above
+from it as from a stock gate.
+
 The heads go to OUTPUT/exit_gates.safetensors with `lookahead_gate` / `preloop_gate` /
 `gate_teacher` in OUTPUT/config.json (OUTPUT defaults to --model: the checkpoint's own tensors are
 not rewritten; another OUTPUT gets a copy of the folder first). The held-out agreement between
@@ -46,18 +59,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from looplm.cli import UserError
 from looplm.config import GATE_CRITERIA, replace
+from looplm.exits import step_scores
 from looplm.io import load_pretrained, save_gates
 from looplm.model import plain_attend_for
-from looplm.policy import ExitPolicy, ExitTracker
+from looplm.policy import DEFAULT_THRESHOLDS, ExitPolicy, ExitTracker
 from train import cli
-from train.common import TOKENIZER
+from train.common import TOKENIZER, exit_depths, logits_of, token_ce
 from train.shared_kv import check_model_arg, load_data
 
-GATES = {"both": ("lookahead", "preloop"), "lookahead": ("lookahead",), "preloop": ("preloop",)}
+GATES = {"both": ("lookahead", "preloop"), "lookahead": ("lookahead",), "preloop": ("preloop",), "none": ()}
 
 
 # ---------------------------------------------------------------- teacher and features
@@ -216,12 +232,279 @@ def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thr
     return out
 
 
+# ---------------------------------------------------------------- --add-gate: a new per-step exit gate
+ADD_TEACHERS = ("loss", "kl", "latent_diff", "entropy_diff")
+ADDED_GATE_FILE = "model-exit-gate.safetensors"  # the gate's own file beside a sharded checkpoint's shards
+
+
+def check_add_gate(a, cfg) -> None:
+    """--add-gate's refusals, before anything is loaded or trained (one line each)."""
+    if cfg.arch == "ouro":
+        raise UserError(f"--add-gate: {cfg.name} is an Ouro checkpoint, whose early_exit_gate is part of the "
+                        f"architecture; distil from it without --add-gate")
+    if cfg.exit_gate:
+        raise UserError(f"--add-gate: --model {a.model} already has an exit gate (exit_gate: true); distil from it "
+                        f"without --add-gate")
+    if cfg.r_max < 2:
+        raise UserError(f"--add-gate: a per-step gate needs r_max >= 2 (the score at r_max is never read), "
+                        f"{cfg.name} has {cfg.r_max}")
+    if cfg.r_min >= cfg.r_max:
+        raise UserError(f"--add-gate: r_min = r_max = {cfg.r_max} leaves a gate nothing to decide")
+    if a.output is None:
+        raise UserError("--add-gate needs --output (a new folder: --model is never written)")
+    if a.output.resolve() == a.model.resolve():
+        raise UserError("--add-gate: --output must be another folder than --model (--model is never written)")
+    if a.output.exists() and any(a.output.iterdir()):
+        raise UserError(f"--output {a.output} exists and is not empty")
+    if a.teacher == "loss" and a.teacher_threshold is not None:
+        raise UserError("--teacher-threshold is for --teacher kl / latent_diff / entropy_diff (--teacher loss "
+                        "uses --margin)")
+    if a.teacher_threshold is not None and not a.teacher_threshold >= 0:
+        raise UserError(f"--teacher-threshold is a distance >= 0, got {a.teacher_threshold}")
+
+
+def teacher_policy(cfg, teacher: str, threshold: float | None) -> ExitPolicy | None:
+    """The exit policy of a criterion teacher (None for --teacher loss), at the config's depths.
+    Default threshold: the config's exit_threshold where the config's criterion is the teacher, else
+    the criterion's default (Huginn's "auto" values): another criterion's threshold has another scale
+    (a kl threshold of 1e-3 read as a latent_diff one would almost never exit)."""
+    if teacher == "loss":
+        return None
+    if threshold is None:
+        threshold = cfg.exit_threshold if cfg.exit_criterion == teacher and cfg.exit_threshold is not None \
+            else DEFAULT_THRESHOLDS[teacher]
+    return ExitPolicy(teacher, float(threshold), cfg.r_min, cfg.r_max)
+
+
+def first_exit(target: torch.Tensor, r_min: int) -> torch.Tensor:
+    """Depth (1-based) per token from exit targets [R, ...]: the first step s >= r_min with target 1,
+    else R (r_max always stops the loop). For a criterion teacher it is the criterion's exit depth."""
+    R = target.shape[0]
+    step = torch.arange(1, R + 1, device=target.device).view(R, *([1] * (target.dim() - 1)))
+    ok = target.bool() & (step >= r_min)
+    return torch.where(ok, step, R).min(0).values
+
+
+@torch.no_grad()
+def added_gate_batch(model, ids: torch.Tensor, targets: torch.Tensor, teacher: str, policy: ExitPolicy | None,
+                     margin: float):
+    """One full-depth causal pass of the frozen model over `ids` [B, T] (no grad): the gate's input
+    `gate_features(state)` after every step [R, B, T, d] (float32), the teacher's targets [R, B, T]
+    (1 = exit at step s) and the coda's next-token loss [R, B, T] (None for latent_diff, which needs no coda).
+    - loss: 1 where the loss at depth s is within `margin` nats of the loss at r_max (`<`, as in
+      train/pretrain.py's stage II, which trained the demos' gates);
+    - kl / latent_diff / entropy_diff: 1 from the criterion's exit depth on (it would have exited at or
+      before s), its scores computed by the engine's own function (looplm.exits.step_scores: float64,
+      kl against uniform and entropy_diff against 100 at step 1, latent_diff against the initial state)
+      and its depth by train.common.exit_depths (the ExitTracker's rule, r_min honoured)."""
+    R = model.cfg.r_max
+    rope = model.rope(torch.arange(ids.shape[1], device=ids.device))
+    state, inj = model.prelude(ids, rope, plain_attend_for)  # Huginn: the zero initial state, the injection
+    feats, ce, scores, aux = [], [], [], None
+    for _ in range(R):
+        prev, state = state, model.core_step(state, inj, rope, plain_attend_for)
+        feats.append(model.gate_features(state).float())
+        logits = logits_of(model, state, rope) if teacher != "latent_diff" else None
+        if logits is not None:
+            ce.append(token_ce(logits, targets))
+        if policy is not None:
+            sc, aux = step_scores(teacher, prev, state, None, logits, aux)
+            scores.append(sc)
+    ce = torch.stack(ce) if ce else None
+    if policy is None:
+        target = ce - ce[-1:] < margin
+    else:
+        depth = exit_depths(torch.stack(scores).cpu(), policy).to(ids.device)
+        target = torch.arange(1, R + 1, device=ids.device).view(R, 1, 1) >= depth
+    return torch.stack(feats), target.float(), ce
+
+
+def added_gate_loss(gate: nn.Module, feats: torch.Tensor, target: torch.Tensor, mask, r_min: int = 1) -> dict:
+    """Masked BCE of sigmoid(gate(features at step s)) against the teacher's target at s, over the
+    steps whose score the engine reads: r_min..r_max-1 (before r_min a signal cannot exit; at r_max
+    the loop stops whatever the score). `exit_frac`: the mean target."""
+    R = feats.shape[0]
+    z = gate(feats[r_min - 1:R - 1]).squeeze(-1).permute(1, 2, 0)  # [B, T, steps]
+    t = target[r_min - 1:R - 1].permute(1, 2, 0).to(z.dtype)
+    bce = masked_mean(F.binary_cross_entropy_with_logits(z, t, reduction="none"), mask)
+    return {"loss": bce, "bce": bce, "exit_frac": masked_mean(t, mask)}
+
+
+def init_added_gate(d: int, exit_rate: float) -> nn.Linear:
+    """The new gate, Linear(d -> 1) like the architecture's exit_gate. Zero weights and the bias at
+    logit(exit_rate): the gate starts as the best constant under BCE (sigmoid = the teacher's mean exit
+    rate), so training only has to add what the features tell; a random init on ln_f-normalised
+    features (entries ~1) would start with arbitrary logits of order std*sqrt(d) and an arbitrary rate."""
+    gate = nn.Linear(d, 1)
+    rate = min(max(exit_rate, 1e-4), 1 - 1e-4)
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.bias.fill_(math.log(rate / (1 - rate)))
+    return gate
+
+
+@torch.no_grad()
+def added_gate_eval(model, gate, windows: torch.Tensor, mask, teacher: str, policy, margin: float, batch: int) -> dict:
+    """The held-out tokens' targets, losses and (with `gate`) gate logits, each [R, N] (N: the tokens
+    that count), in chunks of `batch` windows."""
+    parts: dict[str, list] = {"target": [], "ce": [], "logits": []}
+    dev = model.device
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch].to(dev)
+        feats, target, ce = added_gate_batch(model, w[:, :-1], w[:, 1:], teacher, policy, margin)
+        keep = (mask[i:i + batch, 1:].to(dev) if mask is not None else torch.ones_like(w[:, 1:], dtype=torch.bool)).reshape(-1)
+        parts["target"].append(target.flatten(1)[:, keep].cpu())
+        if ce is not None:
+            parts["ce"].append(ce.flatten(1)[:, keep].cpu())
+        if gate is not None:
+            parts["logits"].append(gate(feats).squeeze(-1).flatten(1)[:, keep].double().cpu())
+    return {k: torch.cat(v, 1) if v else None for k, v in parts.items()}
+
+
+def choose_exit_threshold(logits: torch.Tensor, want_depth: float, r_min: int, r_max: int) -> tuple[float, float]:
+    """The `learned` threshold q whose mean exit depth over gate logits [R, N] (the engine's rule,
+    train.common.exit_depths) is closest to `want_depth`, and that depth. The depth does not decrease
+    as q grows (q = 0: every score exits at r_min), so bisection finds the crossing."""
+    def depth(q: float) -> float:
+        return exit_depths(logits, ExitPolicy("learned", q, r_min, r_max)).double().mean().item()
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if depth(mid) < want_depth:
+            lo = mid
+        else:
+            hi = mid
+    q = min((hi, lo), key=lambda x: abs(depth(x) - want_depth))  # a tie goes to hi: the deeper, the safer
+    return q, depth(q)
+
+
+def added_gate_report(held: dict, q: float, r_min: int, r_max: int) -> dict:
+    """Teacher vs gate at threshold q on the held-out tokens: depths, agreement and, where the teacher
+    ran the coda, the next-token loss at the exit depth (teacher-forced, full-depth context)."""
+    td = first_exit(held["target"], r_min)
+    gd = exit_depths(held["logits"], ExitPolicy("learned", q, r_min, r_max))
+    out = {"tokens": int(td.numel()), "exit_threshold": q, "teacher_mean_depth": td.double().mean().item(),
+           "gate_mean_depth": gd.double().mean().item(), "agreement": (td == gd).double().mean().item(),
+           "mean_abs_diff": (td - gd).abs().double().mean().item(),
+           "teacher_depth_hist": torch.bincount(td, minlength=r_max + 1)[1:].tolist(),
+           "gate_depth_hist": torch.bincount(gd, minlength=r_max + 1)[1:].tolist()}
+    if held["ce"] is not None:
+        ce = held["ce"].double()
+        out.update(full_depth_nll=ce[-1].mean().item(), teacher_nll=ce.gather(0, td[None] - 1).mean().item(),
+                   gate_nll=ce.gather(0, gd[None] - 1).mean().item())
+    return out
+
+
+def train_added_gate(model, a, data, val: torch.Tensor, val_mask, acc) -> dict:
+    """--add-gate: train a new exit gate on the frozen model against --teacher, pick its exit
+    threshold (the teacher's mean depth on the held-out windows) and install it in `model` (its cfg:
+    exit_gate true, exit_criterion learned, that threshold). Returns the run's summary."""
+    cfg = model.cfg
+    R, r_min = cfg.r_max, cfg.r_min
+    policy = teacher_policy(cfg, a.teacher, a.teacher_threshold)
+    # the held-out targets first: their mean exit rate sets the gate's bias (the same on every process)
+    held = added_gate_eval(model, None, val, val_mask, a.teacher, policy, a.margin, a.batch)
+    rate = held["target"][r_min - 1:R - 1].mean().item()
+    torch.manual_seed(a.seed)
+    gate = init_added_gate(cfg.hidden_size, rate).float().to(acc.device)
+    opt = torch.optim.AdamW(gate.parameters(), lr=a.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_scale(s, a))
+    gate, opt, sched = acc.prepare(gate, opt, sched)
+    t0, logs, hist = time.time(), [], []
+    for step in range(a.steps):
+        seed = [a.seed, 10 ** 6 + step, acc.process_index]  # other windows than the heads' loop draws
+        ids = data.batch(a.batch, a.ctx, seed).to(acc.device)
+        bmask = data.batch_mask(a.batch, a.ctx, seed)
+        mask = None if bmask is None else bmask[:, 1:].to(acc.device)
+        feats, target, _ = added_gate_batch(model, ids[:, :-1], ids[:, 1:], a.teacher, policy, a.margin)
+        part = added_gate_loss(gate, feats, target, mask, r_min)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(part["loss"])
+        acc.clip_grad_norm_(gate.parameters(), a.clip)
+        opt.step()
+        sched.step()
+        logs.append({f"exit_gate_{k}": float(v.detach()) for k, v in part.items()})
+        if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
+            rec = {"step": step + 1, **{k: sum(x[k] for x in logs) / len(logs) for k in logs[0]},
+                   "time_s": round(time.time() - t0, 1)}
+            logs = []
+            hist.append(rec)
+            acc.print(json.dumps(rec))
+    raw = acc.unwrap_model(gate)
+    held = added_gate_eval(model, raw, val, val_mask, a.teacher, policy, a.margin, a.batch)
+    want = first_exit(held["target"], r_min).double().mean().item()
+    q, _ = choose_exit_threshold(held["logits"], want, r_min, R)
+    model.exit_gate = raw.to(model.dtype)
+    model.cfg = replace(cfg, exit_gate=True, exit_criterion="learned", exit_threshold=q)
+    return {"teacher": a.teacher, **({"margin": a.margin} if policy is None else
+                                     {"teacher_threshold": policy.threshold}),
+            "r_min": r_min, "init_exit_rate": rate, "steps": a.steps, "seconds": round(time.time() - t0, 1),
+            "heldout": added_gate_report(held, q, r_min, R), "history": hist}
+
+
+def write_exit_gate(gate: nn.Linear, folder: Path) -> Path:
+    """Add `exit_gate.weight` [1, d] / `exit_gate.bias` [1] (float32) to the copied checkpoint's own
+    tensors, where looplm.io reads a Huginn exit gate (checkpoints/huginn-demo keeps its gate in
+    model.safetensors): a single model.safetensors is rewritten with them; a sharded checkpoint
+    (Huginn-3.5B: 4 shards, 15.6 GB) gets them in a file of their own listed in its index, no shard
+    rewritten."""
+    tensors = {f"exit_gate.{k}": v.detach().float().cpu().contiguous().clone() for k, v in gate.state_dict().items()}
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if not index.exists() and single.exists():
+        with safe_open(str(single), framework="pt") as fh:
+            meta = fh.metadata()
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+        state.update(tensors)
+        tmp = folder / "model.safetensors.tmp"
+        save_file(state, str(tmp), metadata=meta)
+        tmp.replace(single)
+        return single
+    path = folder / ADDED_GATE_FILE
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    if index.exists():  # (without an index the loader reads every model*.safetensors: this one too)
+        idx = json.loads(index.read_text())
+        idx["weight_map"].update({k: path.name for k in tensors})
+        if "total_size" in idx.get("metadata", {}):
+            idx["metadata"]["total_size"] += sum(v.numel() * v.element_size() for v in tensors.values())
+        index.write_text(json.dumps(idx, indent=2) + "\n")
+    return path
+
+
+def finish_added_gate(model, a, acc, added: dict) -> None:
+    """--add-gate without other heads: copy --model to --output, write the gate and config.json there."""
+    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        return
+    shutil.copytree(a.model, a.output, dirs_exist_ok=True)
+    model.cfg.save(a.output / "config.json")
+    write_exit_gate(model.exit_gate, a.output)
+    summary = {"model": str(a.model), "output": str(a.output), "add_gate": added}
+    (a.output / "distill_gate.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({"output": str(a.output), "add_gate": added["heldout"]}, indent=1))
+
+
 # ---------------------------------------------------------------- run
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="HF-format looped-LM folder with a stock exit gate")
-    p.add_argument("--output", type=Path, default=None, help="default: --model (the heads are added to it)")
-    p.add_argument("--gates", choices=sorted(GATES), default="both")
+    p.add_argument("--model", type=Path, required=True,
+                   help="HF-format looped-LM folder with a stock exit gate (without one: --add-gate)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="default: --model (the heads are added to it); --add-gate needs a new folder")
+    p.add_argument("--gates", choices=sorted(GATES), default=None,
+                   help="the distilled heads (default: both; with --add-gate: none, else distilled from the new gate)")
+    p.add_argument("--add-gate", action="store_true",
+                   help="a model without an exit gate (Huginn-3.5B) gets a new per-step gate Linear(d -> 1), "
+                        "trained on the frozen model against --teacher and served by the `learned` criterion: "
+                        "--output gets a copy of --model with it (config.json: exit_gate true, exit_criterion "
+                        "learned, exit_threshold = the one giving the teacher's mean depth on held-out windows)")
+    p.add_argument("--teacher", choices=ADD_TEACHERS, default=None,
+                   help="--add-gate's targets (default: loss): loss = 1 at step s where the coda's next-token "
+                        "loss at depth s is within --margin nats of the loss at r_max; kl / latent_diff / "
+                        "entropy_diff = 1 from the step that criterion exits at (at --teacher-threshold) on")
+    p.add_argument("--margin", type=float, default=0.1, help="--teacher loss: nats (the recipe's 0.1)")
+    p.add_argument("--teacher-threshold", type=float, default=None,
+                   help="--teacher kl / latent_diff / entropy_diff: its exit threshold (default: the config's "
+                        "exit_threshold where its criterion is the teacher, else the criterion's default)")
     p.add_argument("--objective", choices=("teacher", "oracle"), default="teacher",
                    help="the lookahead head's loss: teacher = BCE to the stock gate's hazard at step s+1 + exit-CDF "
                         "MAE (the authors'); oracle = BCE to 1 where the coda's next-token loss at depth s+1 is "
@@ -265,6 +548,9 @@ def lr_scale(step: int, a) -> float:
 
 def main(argv=None) -> None:
     a = parse(argv)
+    a.gates = a.gates or ("none" if a.add_gate else "both")
+    if a.add_gate:
+        a.teacher = a.teacher or "loss"
     check_model_arg(a.model)
     cli.die_with_launcher()
     if a.threads:
@@ -272,19 +558,40 @@ def main(argv=None) -> None:
     from accelerate import Accelerator
     acc = Accelerator(cpu=not torch.cuda.is_available())
     cli.check_launch(acc, "train/distill_gate.py")
-    cli.banner(acc, "train/distill_gate.py", f"gates={a.gates}")
+    cli.banner(acc, "train/distill_gate.py", f"gates={a.gates}" + (f" add_gate teacher={a.teacher}" if a.add_gate else ""))
     model = load_pretrained(a.model, dtype="float32", device=acc.device)
     cfg = model.cfg
+    if a.add_gate:
+        check_add_gate(a, cfg)
+    elif a.teacher is not None or a.teacher_threshold is not None:
+        raise UserError("--teacher / --teacher-threshold train a new gate: they need --add-gate")
+    elif a.gates == "none":
+        raise UserError("--gates none trains nothing without --add-gate")
     teacher = cfg.exit_criterion if cfg.exit_criterion in GATE_CRITERIA else "ouro_gate" if cfg.arch == "ouro" else None
-    if teacher is None or model.stock_gate() is None:
+    if a.add_gate:
+        teacher = "learned"  # the new gate: the teacher of the heads distilled after it
+    elif teacher is None or model.stock_gate() is None:
         raise UserError(f"--model {a.model}: {cfg.name} has no stock exit gate to distil from (criterion "
-                        f"{cfg.exit_criterion!r}); distil_gate needs ouro_gate or learned")
+                        f"{cfg.exit_criterion!r}); distil_gate needs ouro_gate or learned, or --add-gate to train one")
     if cfg.r_max < 3 and a.gates in ("both", "lookahead"):
         raise UserError(f"a lookahead head needs r_max >= 3 (it predicts steps 2..r_max-1), {cfg.name} has "
                         f"{cfg.r_max}")
     for p_ in model.parameters():
         p_.requires_grad_(False)
     names = GATES[a.gates]
+    tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
+    a.ctx = min(a.ctx, cfg.max_position)
+    data = load_data(a, tok_dir, acc)
+    if int(data.train.max()) >= cfg.vocab_size:
+        raise UserError(f"the training tokens reach id {int(data.train.max())} but the model's vocabulary has "
+                        f"{cfg.vocab_size} (another tokenizer? pass --tokenizer)")
+    val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
+    added = None
+    if a.add_gate:
+        added = train_added_gate(model, a, data, val, val_mask, acc)
+        cfg = model.cfg
+        if not names:
+            return finish_added_gate(model, a, acc, added)
     torch.manual_seed(a.seed)
     heads = nn.ModuleDict()
     if "lookahead" in names:
@@ -293,13 +600,6 @@ def main(argv=None) -> None:
     if "preloop" in names:
         heads["preloop"] = nn.Linear(cfg.hidden_size, cfg.r_max)
     heads = heads.float().to(acc.device)
-    tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
-    a.ctx = min(a.ctx, cfg.max_position)
-    data = load_data(a, tok_dir, acc)
-    if int(data.train.max()) >= cfg.vocab_size:
-        raise UserError(f"the training tokens reach id {int(data.train.max())} but the model's vocabulary has "
-                        f"{cfg.vocab_size} (another tokenizer? pass --tokenizer)")
-    val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
     thresholds = a.thresholds or sorted({0.3, 0.5, 0.7} | ({cfg.exit_threshold} if cfg.exit_threshold else set()))
     opt = torch.optim.AdamW(heads.parameters(), lr=a.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_scale(s, a))
@@ -348,11 +648,13 @@ def main(argv=None) -> None:
     model.cfg = replace(cfg, lookahead_gate=cfg.lookahead_gate or "lookahead" in names,
                         preloop_gate=cfg.preloop_gate or "preloop" in names, gate_teacher=teacher)
     save_gates(model, out)
+    if a.add_gate:
+        write_exit_gate(model.exit_gate, out)
     summary = {"model": str(a.model), "output": str(out), "teacher": teacher, "gates": list(names),
                "objective": a.objective, **({"epsilon": a.epsilon} if a.objective == "oracle" else {}),
                "steps": a.steps, "batch": a.batch, "ctx": a.ctx, "lr": a.lr, "seconds": round(time.time() - t0, 1),
                "world_size": acc.num_processes, "data": {k: v for k, v in data.meta.items() if k != "key"},
-               "before": before, "after": after, "history": hist}
+               "before": before, "after": after, "history": hist, **({"add_gate": added} if added else {})}
     (out / "distill_gate.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"output": str(out), "seconds": summary["seconds"], "agreement": after}, indent=1))
 
