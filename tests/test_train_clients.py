@@ -1,7 +1,6 @@
 """train/ as accelerate / datasets users meet it (issue 15): the launch check, the parent-death
 guard, FSDP vs DDP on 2 CPU ranks, --dataset, mixed precision and gradient checkpointing, the
 output-folder contract and one-line errors. Tiny models, a few steps, CPU, no network."""
-import hashlib
 import json
 import os
 import random
@@ -9,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 
 from looplm import load_pretrained, save_pretrained, tiny_model
 from looplm.io import load_tokenizer
+from train.datasource import from_dataset
 
 pytestmark = pytest.mark.slow  # every test here starts `accelerate launch` or `python train/...`
 
@@ -210,16 +211,20 @@ def test_finetune_on_local_jsonl_dataset(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     tok = load_tokenizer(DEMO_TOK)
-    stream = []
-    for d in docs:
-        stream += tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    n = len(stream) // 33
-    packed = np.asarray(stream[: n * 33], dtype=np.int64).reshape(n, 33)
-    n_held = max(1, round(n * 0.1))
-    train = packed[: n - n_held]
-    assert s["data"]["train_sha256"] == hashlib.sha256(train.tobytes()).hexdigest()
-    assert s["data"]["source"] == str(src) and s["data"]["text_column"] == "body" and s["data"]["documents"] == 80
-    rows = {tuple(x) for x in train.tolist()}
+    data = from_dataset(str(src), "body", DEMO_TOK, 32, 0.1, cache_root=tmp_path / "check")  # the same, here
+    assert s["data"]["train_sha256"] == data.meta["train_sha256"]
+    # every document, EOS-ended, is in the windows whole: in pieces of one window (33 tokens) each
+    pieces = Counter(tuple(ids[a:a + 33]) for d in docs
+                     for ids in [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+                     for a in range(0, len(ids), 33))
+    got = Counter(tuple(r[dc == k].tolist()) for arr, darr in ((data.train, data.train_doc), (data.heldout, data.heldout_doc))
+                  for r, dc in zip(arr, darr) for k in np.unique(dc))
+    assert all(got[p] == n for p, n in pieces.items() if len(p) > 1)
+    assert all(set(p) == {tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
+               for p in got - pieces)  # the rest: padding
+    assert s["data"]["source"] == str(src) and s["data"]["text_column"] == "body" and s["data"]["documents"] + \
+        s["data"]["heldout_documents"] == 80
+    rows = {tuple(x) for x in data.train.tolist()}
     assert len(s["first_batch_rank0"]) == 4 and all(tuple(b) in rows for b in s["first_batch_rank0"])
     assert Path(s["data"]["cache"]).parent == tmp_path / "dscache"
 

@@ -127,7 +127,7 @@ def test_packing_keeps_documents_whole(tmp_path, tok):
     src = jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
     data = build(tmp_path, src, ctx=48, heldout_frac=0.2)
     want = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
-    assert all(len(w) <= 49 for w in want) and data.meta["truncated_documents"] == 0
+    assert all(len(w) <= 49 for w in want) and data.meta["split_documents"] == 0
     got, per_split = [], {}
     for split in ("train", "heldout"):
         per_split[split] = len(got)
@@ -200,16 +200,23 @@ def test_bad_rows_raise_one_line_or_are_skipped_and_counted(tmp_path):
         build(tmp_path, pc)
 
 
-def test_long_documents_are_truncated_and_counted(tmp_path, tok):
+def test_long_documents_are_split_into_window_pieces_and_counted(tmp_path, tok):
     long = " ".join(f"w{i}" for i in range(200))
     src = jsonl(tmp_path / "t.jsonl", [{"text": long}, {"text": "short one"}])
     data = build(tmp_path, src, ctx=32)
-    assert data.meta["truncated_documents"] == 1
-    full = tok(long, add_special_tokens=False)["input_ids"]
-    assert data.train[0].tolist() == full[:33] and (data.train_doc[0] == 0).all()
-    # a prompt that fills the window leaves no counted token: skipped, counted
+    assert data.meta["split_documents"] == 1 and data.meta["documents"] == 2
+    full = tok(long, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    pieces = [full[a:a + 33] for a in range(0, len(full), 33)]
+    rows = [r[d == k].tolist() for r, d in zip(data.train, data.train_doc) for k in np.unique(d)]
+    for p in pieces:  # every token kept: each piece a document of its own somewhere
+        assert p in rows
+    for r, d, m in zip(data.train, data.train_doc, data.train_mask):
+        starts = np.flatnonzero(np.diff(d, prepend=-1) != 0)
+        assert not m[starts].any()  # a piece's first token is not a target: its predecessor is elsewhere
+    # a prompt longer than the window: the prompt-only piece is left out (counted), the completion kept
     pc = jsonl(tmp_path / "pc.jsonl", [{"prompt": long, "completion": "x"}, {"prompt": "a", "completion": "b"}])
-    assert build(tmp_path, pc, ctx=32).meta["skipped_rows"] == {"no counted token in the window": 1}
+    meta = build(tmp_path, pc, ctx=32).meta
+    assert meta["split_documents"] == 1 and meta["empty_pieces"] >= 1 and meta["skipped_rows"] == {}
 
 
 def test_save_to_disk_and_folder_of_jsonl(tmp_path, tok):

@@ -236,6 +236,8 @@ def summarize_exit(out: dict[str, torch.Tensor], policy: ExitPolicy) -> dict:
     else:
         d = torch.full(out["ce"].shape[1:], policy.r_max, dtype=torch.long)
     ce = out["ce"].gather(0, (d - 1)[None]).squeeze(0)
+    if "mask" in out:  # the counted targets only (collect_outputs' masks)
+        ce, d = ce[out["mask"]], d[out["mask"]]
     hist = torch.bincount(d.flatten(), minlength=S + 1)[1:].double()
     hist = hist / hist.sum()
     return {"criterion": policy.criterion, "threshold": policy.threshold, "r_min": policy.r_min,
@@ -244,18 +246,27 @@ def summarize_exit(out: dict[str, torch.Tensor], policy: ExitPolicy) -> dict:
 
 
 def collect_outputs(model: LoopedLM, windows: torch.Tensor, steps: int, batch: int = 16,
-                    attend_for_fn=None, need_kl: bool = True) -> dict[str, torch.Tensor]:
+                    attend_for_fn=None, need_kl: bool = True, masks: torch.Tensor | None = None,
+                    docs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """per_step_outputs over many windows, concatenated on the batch axis.
-    `attend_for_fn(ids) -> attend_for` lets a caller swap the attention (e.g. the shared layout)."""
+    `attend_for_fn(ids) -> attend_for` lets a caller swap the attention (e.g. the shared layout).
+    `masks` / `docs` [N, T+1] (a packed --dataset): the counted targets, kept as out["mask"] [N, T]
+    for the summaries, and the documents kept apart."""
     parts: dict[str, list[torch.Tensor]] = {}
     for i in range(0, len(windows), batch):
         w = windows[i:i + batch].to(model.device)
         af = attend_for_fn(model, w[:, :-1]) if attend_for_fn is not None else plain_attend_for
-        o = per_step_outputs(model, w[:, :-1], w[:, 1:], steps, af, need_kl)
+        d = None if docs is None else docs[i:i + batch, :-1].to(model.device)
+        o = per_step_outputs(model, w[:, :-1], w[:, 1:], steps, af, need_kl, docs=d)
         for k, v in o.items():
             parts.setdefault(k, []).append(v.cpu())
-    return {k: torch.cat(v, dim=1) for k, v in parts.items()}
+    out = {k: torch.cat(v, dim=1) for k, v in parts.items()}
+    if masks is not None:
+        out["mask"] = masks[:, 1:].bool().cpu()
+    return out
 
 
 def ppl_per_depth(out: dict[str, torch.Tensor]) -> list[float]:
+    if "mask" in out:
+        return [round(math.exp(x), 3) for x in (out["ce"] * out["mask"]).flatten(1).sum(1).div(out["mask"].sum()).tolist()]
     return [round(math.exp(x), 3) for x in out["ce"].flatten(1).mean(1).tolist()]

@@ -14,7 +14,9 @@ detected from the columns unless `fmt` names one:
   text               the `column` (--text-column) strings; every token counts
 Every document ends with EOS (a chat document: the template's rendering, then EOS unless it already
 ends with it; that EOS counts iff the last message counts). A document longer than a window (ctx+1
-tokens) is truncated to it (counted in meta `truncated_documents`). A bad row (missing / wrong type /
+tokens) is split into window-sized pieces, each packed as a document of its own (no token is lost,
+as under TRL's "bfd_split"; a plain-text corpus of long documents stays whole; counted in meta
+`split_documents`; pieces without a counted target are left out and counted in `empty_pieces`). A bad row (missing / wrong type /
 unknown role / no assistant turn under assistant_only_loss / ...) is a UserError naming the
 source, split and row, unless skip_bad_rows: then it is skipped and counted in meta `skipped_rows`
 (reason -> count), like empty text rows (always skipped, never silently).
@@ -342,17 +344,20 @@ def _documents(ds, fmt: str, column: str, tok, eos: int, where: str, tok_dir, as
 
 
 def _fit(docs, window: int, stats: dict, skipped: dict) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Truncate documents longer than a window to it (TRL's bfd truncation); drop those left with no
-    counted target (a document's first token never counts)."""
+    """Split documents longer than a window into window-sized pieces (each then a document of its own);
+    leave out pieces with no counted target (a document's first token never counts), and documents
+    with none at all as skipped rows."""
     out = []
     for ids, counted in docs:
         if len(ids) > window:
-            ids, counted = ids[:window], counted[:window]
-            stats["truncated_documents"] += 1
-        if not counted[1:].any():
-            skipped["no counted token in the window"] = skipped.get("no counted token in the window", 0) + 1
+            stats["split_documents"] += 1
+        pieces = [(ids[a:a + window], counted[a:a + window]) for a in range(0, len(ids), window)]
+        kept = [p for p in pieces if p[1][1:].any()]
+        if not kept:
+            skipped["no counted token"] = skipped.get("no counted token", 0) + 1
             continue
-        out.append((ids, counted))
+        stats["empty_pieces"] += len(pieces) - len(kept)
+        out.extend(kept)
     return out
 
 
@@ -433,16 +438,14 @@ def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldou
         train_ds, train_name, held_ds, held_name = _split(_load(source))
         resolved = _resolve_format(fmt, train_ds.column_names, column, source)
         skipped: dict[str, int] = {}
-        stats = {"truncated_documents": 0}
+        stats = {"split_documents": 0, "empty_pieces": 0}
         enc = dict(fmt=resolved, column=column, tok=tokenizer, eos=eos, tok_dir=tokenizer_dir,
                    assistant_only=assistant_only_loss, completion_only=completion_only_loss,
                    skip_bad_rows=skip_bad_rows, skipped=skipped)
-        train_docs = _fit(_documents(train_ds, where=f"--dataset {source} split {train_name!r}", **enc),
-                          window, stats, skipped)
+        train_docs = _documents(train_ds, where=f"--dataset {source} split {train_name!r}", **enc)
         if held_ds is not None:
             _resolve_format(resolved, held_ds.column_names, column, f"{source} split {held_name!r}")
-            held_docs = _fit(_documents(held_ds, where=f"--dataset {source} split {held_name!r}", **enc),
-                             window, stats, skipped)
+            held_docs = _documents(held_ds, where=f"--dataset {source} split {held_name!r}", **enc)
         else:
             # the last documents holding heldout_frac of the tokens (at least one when there are two)
             need, got, k = heldout_frac * sum(len(t) for t, _ in train_docs), 0, len(train_docs)
@@ -450,6 +453,8 @@ def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldou
                 k -= 1
                 got += len(train_docs[k][0])
             train_docs, held_docs = train_docs[:k], train_docs[k:]
+        n_docs, n_held = len(train_docs), len(held_docs)
+        train_docs, held_docs = _fit(train_docs, window, stats, skipped), _fit(held_docs, window, stats, skipped)
         if not train_docs:
             raise UserError(f"--dataset {source}: no training document left (skipped rows: {skipped or 'none'})")
         arrays = {**dict(zip(names[:3], _pack(train_docs, window, pad, packing))),
@@ -460,8 +465,8 @@ def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldou
         train, held = arrays["train_ids"], arrays["heldout_ids"]
         meta = {"source": source, "text_column": column, "format": resolved, "ctx": ctx,
                 "assistant_only_loss": assistant_only_loss, "completion_only_loss": completion_only_loss,
-                "packing": packing, "documents": len(train_docs), "heldout_documents": len(held_docs),
-                "skipped_rows": skipped, "truncated_documents": stats["truncated_documents"],
+                "packing": packing, "documents": n_docs, "heldout_documents": n_held,
+                "packed_documents": len(train_docs), "skipped_rows": skipped, **stats,
                 "train_windows": int(len(train)), "heldout_windows": int(len(held)),
                 "train_tokens": int(train.size), "train_target_tokens": int(arrays["train_mask"].sum()),
                 "train_padding_tokens": int(train.size - sum(len(t) for t, _ in train_docs)),
@@ -484,11 +489,11 @@ def from_dataset(source: str, column: str, tokenizer_dir: Path, ctx: int, heldou
 
 
 def summary(meta: dict) -> str:
-    """One line for the log: documents, windows, truncated and skipped rows."""
+    """One line for the log: documents, windows, split documents and skipped rows."""
     skipped = ", ".join(f"{r}: {n}" for r, n in sorted(meta.get("skipped_rows", {}).items())) or "none"
     return (f"dataset {meta.get('source')} ({meta.get('format', 'text')}): {meta.get('documents')} documents in "
             f"{meta.get('train_windows')} windows, {meta.get('heldout_documents', '?')} held out in "
-            f"{meta.get('heldout_windows')}; {meta.get('truncated_documents', 0)} truncated to the window; "
+            f"{meta.get('heldout_windows')}; {meta.get('split_documents', 0)} longer than a window, split; "
             f"skipped rows: {skipped}")
 
 

@@ -33,9 +33,9 @@ from looplm.io import build_model, load_tokenizer, save_pretrained
 from looplm.presets import init_weights
 from train import cli
 from looplm.cli import UserError
-from train.common import (CORPUS, TOKENIZER, History, collect_outputs, eval_windows, init_wandb, logits_of,
-                          ppl_per_depth, run_loop, summarize_exit, token_ce)
-from train.datasource import Tokens, from_corpus, from_dataset, from_npy
+from train.common import (CORPUS, TOKENIZER, History, collect_outputs, docs_attend_for, eval_windows, init_wandb,
+                          logits_of, ppl_per_depth, run_loop, summarize_exit, token_ce)
+from train.datasource import Tokens, add_dataset_args, dataset_kwargs, from_corpus, from_dataset, from_npy, summary
 
 
 def model_config(a: argparse.Namespace) -> LoopConfig:
@@ -71,22 +71,38 @@ def sample_depth(rng: np.random.Generator, mean: float, sigma: float, r_max: int
     return int(np.clip(rng.poisson(tau), r_min, r_max))
 
 
-def lm_loss(model, batch: torch.Tensor, a: argparse.Namespace, step: int) -> tuple[torch.Tensor, int]:
+def lm_loss(model, batch: torch.Tensor, a: argparse.Namespace, step: int, mask: torch.Tensor | None = None,
+            docs: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The LM loss of windows batch [B, T+1]; `mask` [B, T+1]: the tokens that count as targets (None:
+    all), `docs` [B, T+1]: the documents packed into each window (kept apart, train/packing.py)."""
     ids, tgt = batch[:, :-1], batch[:, 1:]
+    tm, xd = (None if mask is None else mask[:, 1:]), (None if docs is None else docs[:, :-1])
+    attend_for = docs_attend_for(xd)
+
+    def ce(state, rope):
+        return masked_mean(token_ce(logits_of(model, state, rope, attend_for), tgt), tm)
     if a.arch == "ouro":
-        states, _, rope, _ = run_loop(model, ids, a.r_max, checkpoint=a.gradient_checkpointing)
+        states, _, rope, _ = run_loop(model, ids, a.r_max, checkpoint=a.gradient_checkpointing, docs=xd)
         w = a.step_weights
-        loss = sum(wi * token_ce(logits_of(model, s, rope), tgt).mean() for wi, s in zip(w, states)) / sum(w)
+        loss = sum(wi * ce(s, rope) for wi, s in zip(w, states)) / sum(w)
         return loss, a.r_max
     r = sample_depth(np.random.default_rng([a.seed, step, 7]), a.mean_depth, a.depth_sigma, a.r_max, a.min_depth)
-    states, _, rope, _ = run_loop(model, ids, r, grad_steps=a.bptt, checkpoint=a.gradient_checkpointing)
+    states, _, rope, _ = run_loop(model, ids, r, grad_steps=a.bptt, checkpoint=a.gradient_checkpointing, docs=xd)
     if not a.window_loss:
-        return token_ce(logits_of(model, states[-1], rope), tgt).mean(), r
+        return ce(states[-1], rope), r
     # loss at every step inside the backprop window, heavier towards the last (Ouro-like supervision)
     k = min(r, a.bptt)
     w = torch.arange(1, k + 1, dtype=torch.float32)
     w = w / w.sum()
-    return sum(wi * token_ce(logits_of(model, s, rope), tgt).mean() for wi, s in zip(w, states[-k:])), r
+    return sum(wi * ce(s, rope) for wi, s in zip(w, states[-k:])), r
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of x over the counted positions (all without a mask; 0 when none counts)."""
+    if mask is None:
+        return x.mean()
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
 
 
 class PretrainObjective(nn.Module):
@@ -96,8 +112,8 @@ class PretrainObjective(nn.Module):
         super().__init__()
         self.model, self.a = model, a
 
-    def forward(self, batch: torch.Tensor, step: int):
-        return lm_loss(self.model, batch, self.a, step)
+    def forward(self, batch: torch.Tensor, step: int, mask: torch.Tensor | None = None, docs: torch.Tensor | None = None):
+        return lm_loss(self.model, batch, self.a, step, mask, docs)
 
 
 def lr_lambda(a: argparse.Namespace):
@@ -108,9 +124,11 @@ def lr_lambda(a: argparse.Namespace):
     return f
 
 
-def evaluate_depths(model, windows: dict[str, torch.Tensor], r_max: int) -> dict:
+def evaluate_depths(model, windows: dict[str, tuple], r_max: int) -> dict:
+    """Per-depth held-out perplexity of each named (windows, masks, docs) set."""
     model.eval()
-    out = {f"ppl_{k}": ppl_per_depth(collect_outputs(model, w, r_max, need_kl=False)) for k, w in windows.items()}
+    out = {f"ppl_{k}": ppl_per_depth(collect_outputs(model, w, r_max, need_kl=False, masks=m, docs=d))
+           for k, (w, m, d) in windows.items()}
     model.train()
     return out
 
@@ -154,8 +172,10 @@ def stage1(a, accelerator, model, data: Tokens, windows, hist: History, wb) -> N
     t0, last_save, tokens = time.time() - elapsed, time.time(), 0
     losses = []
     while step < a.steps:
-        batch = data.batch(a.batch, a.ctx, [a.seed, step, accelerator.process_index])
-        loss, r = pmodel(batch.to(accelerator.device), step)
+        seed = [a.seed, step, accelerator.process_index]
+        mask, docs = data.batch_mask(a.batch, a.ctx, seed), data.batch_doc(a.batch, a.ctx, seed)
+        loss, r = pmodel(data.batch(a.batch, a.ctx, seed).to(accelerator.device), step,
+                         *(None if x is None else x.to(accelerator.device) for x in (mask, docs)))
         opt.zero_grad(set_to_none=True)
         accelerator.backward(loss)
         gnorm = accelerator.clip_grad_norm_(pmodel.parameters(), a.clip)
@@ -186,14 +206,17 @@ def stage2(a, model, data: Tokens, windows: dict, hist: History, wb) -> dict:
     opt = gate_optimizer(model, a.gate_lr)
     t0 = time.time()
     for it in range(a.gate_steps):
-        batch = data.batch(a.batch, a.ctx, [a.seed, 10 ** 6 + it, 0])
+        seed = [a.seed, 10 ** 6 + it, 0]
+        batch, mask, docs = data.batch(a.batch, a.ctx, seed), data.batch_mask(a.batch, a.ctx, seed), data.batch_doc(a.batch, a.ctx, seed)
         ids, tgt = batch[:, :-1], batch[:, 1:]
+        xd = None if docs is None else docs[:, :-1]
         with torch.no_grad():
-            states, _, rope, _ = run_loop(model, ids, a.r_max)
-            ce = torch.stack([token_ce(logits_of(model, s, rope), tgt) for s in states])  # [S, B, T]
+            states, _, rope, _ = run_loop(model, ids, a.r_max, docs=xd)
+            ce = torch.stack([token_ce(logits_of(model, s, rope, docs_attend_for(xd)), tgt) for s in states])  # [S, B, T]
             labels = (ce - ce[-1:] < a.gate_margin).float()[:-1]  # the last step always stops
         logits = torch.stack([model.gate_logits(s.detach()) for s in states[:-1]])
-        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        loss = masked_mean(bce, None if mask is None else mask[None, :, 1:].expand_as(bce))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -210,8 +233,10 @@ def stage2(a, model, data: Tokens, windows: dict, hist: History, wb) -> dict:
     return choose_threshold(a, model, windows["val"])
 
 
-def choose_threshold(a, model, val: torch.Tensor) -> dict:
-    out = collect_outputs(model, val, a.r_max, need_kl=False)
+def choose_threshold(a, model, val: tuple) -> dict:
+    """The threshold of the learned gate, from the held-out (windows, masks, docs)."""
+    w, m, d = val
+    out = collect_outputs(model, w, a.r_max, need_kl=False, masks=m, docs=d)
     full = summarize_exit(out, ExitPolicy("none", None, a.r_max, a.r_max))
     grid = []
     for q in [round(x, 2) for x in np.arange(0.3, 0.99, 0.05)]:
@@ -231,11 +256,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     p.add_argument("--tokens", type=Path, default=None,
                    help="train on these .npy token ids instead of the built corpus (tests); held-out = last 10%%")
-    p.add_argument("--dataset", default=None,
-                   help="a `datasets` source (local .jsonl/.parquet/.csv/.txt/.arrow file or folder, or a hub name "
-                        "when online), tokenised with --tokenizer and packed into --ctx windows")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--heldout-frac", type=float, default=0.1)
+    add_dataset_args(p)  # --dataset and its format, loss and packing options (train/datasource.py)
     p.add_argument("--corpus", type=Path, default=CORPUS, help="the built corpus (default data)")
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--heads", type=int, default=4)
@@ -287,14 +308,21 @@ def parse(argv=None) -> argparse.Namespace:
 def load_data(a, accelerator) -> tuple[Tokens, dict]:
     if a.dataset is not None:
         data = from_dataset(a.dataset, a.text_column, a.tokenizer, a.ctx, a.heldout_frac,
-                            is_main=accelerator.is_main_process, wait=accelerator.wait_for_everyone)
-        return data, {"heldout": data.eval(a.ctx, a.eval_windows)}
+                            is_main=accelerator.is_main_process, wait=accelerator.wait_for_everyone, **dataset_kwargs(a))
+        accelerator.print(summary(data.meta))
+        return data, {"heldout": held_windows(data, a.ctx, a.eval_windows)}
     if a.tokens is not None:
         data = from_npy(a.tokens)
-        return data, {"heldout": data.eval(a.ctx, a.eval_windows)}
+        return data, {"heldout": held_windows(data, a.ctx, a.eval_windows)}
     train, held, synth = from_corpus(("train", "heldout", "heldout_synthetic"), a.tokenizer, a.corpus)
     data = Tokens(train, held, meta={"source": str(a.corpus), "train_tokens": int(len(train))})
-    return data, {"heldout": eval_windows(held, a.ctx, a.eval_windows), "synthetic": eval_windows(synth, a.ctx, a.eval_windows)}
+    return data, {"heldout": held_windows(data, a.ctx, a.eval_windows),
+                  "synthetic": (eval_windows(synth, a.ctx, a.eval_windows), None, None)}
+
+
+def held_windows(data: Tokens, ctx: int, n: int | None) -> tuple:
+    """(windows, masks, docs) of the held-out tokens (masks / docs None where the data has none)."""
+    return data.eval(ctx, n), data.eval_mask(ctx, n), data.eval_doc(ctx, n)
 
 
 def identity(a, world_size: int) -> dict:
@@ -377,8 +405,12 @@ def pretrain(a, accelerator) -> None:
         return
     model = accelerator.unwrap_model(model)
     s1 = save_pretrained(model, a.run_dir / "stage1", dtype=a.save_dtype)
-    held = data.heldout if not data.packed else data.heldout.reshape(-1)
-    val = eval_windows(held[: len(held) // 2], a.ctx) if len(held) // 2 > a.ctx else eval_windows(held, a.ctx)
+    if data.packed:  # whole documents: every held-out window
+        val = held_windows(data, a.ctx, None)
+    else:
+        held = data.heldout
+        val = (eval_windows(held[: len(held) // 2], a.ctx) if len(held) // 2 > a.ctx else eval_windows(held, a.ctx),
+               None, None)
     choice = stage2(a, model, data, {"val": val}, hist, wb)
     q = choice["chosen"]["threshold"]
     print(json.dumps({"threshold_choice": choice["chosen"], "full_depth_ppl": choice["full_depth_ppl"]}))

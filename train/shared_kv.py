@@ -47,6 +47,7 @@ import json
 import os
 import shutil
 import time
+from typing import NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +63,7 @@ from looplm.policy import ExitPolicy
 from train import cli
 from looplm.cli import UserError
 from train.common import TOKENIZER, History, init_wandb, token_ce
-from train.datasource import Tokens, from_corpus, from_dataset, from_npy
+from train.datasource import Tokens, add_dataset_args, dataset_kwargs, from_corpus, from_dataset, from_npy, summary
 from train.kv_emulation import LAYOUTS, Sweep, converge, sweep
 from train.packing import prompt_from_targets, prompt_positions
 from train.flops import FlopCount
@@ -364,26 +365,31 @@ class SharedKVObjective(nn.Module):
         self.autocast: str | None = None  # the autocast dtype seen in the first forward (mixed precision)
 
     def forward(self, batch: torch.Tensor, prev: Sweep | None = None, mode: str = "step",
-                mask: torch.Tensor | None = None, prompt_len: int | None = None, measure_staleness: bool = False):
-        """`mask` [B, T+1] (--loss-mask, rows): the windows' tokens that count as targets (None: all);
-        `prompt_len`: the batch's full-depth prompt positions (default --prompt-len; rows: the bucket's)."""
+                mask: torch.Tensor | None = None, prompt_len: int | None = None, measure_staleness: bool = False,
+                docs: torch.Tensor | None = None):
+        """`mask` [B, T+1] (--loss-mask, rows, --dataset): the windows' tokens that count as targets (None:
+        all); `prompt_len`: the batch's full-depth prompt positions (default --prompt-len; rows: the
+        bucket's); `docs` [B, T+1]: packed documents (--dataset), each with its own prompt: through the
+        position that predicts its first counted token (a chat's first reply), at least --prompt-len."""
         a, m, pol = self.a, self.model, self.policy
         pl = a.prompt_len if prompt_len is None else prompt_len
+        if docs is not None and not isinstance(pl, torch.Tensor):
+            pl = prompt_from_targets(None if mask is None else mask[:, 1:], docs[:, :-1], pl)
         if self.autocast is None:
             dev = batch.device.type
             self.autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else "off"
         opts = loss_options(a)
         if mode == "pass1":
             return context_sweeps(m, batch[:, :-1], pol, a.layout, pl, opts["pass1_sweeps"], opts["context_grad"],
-                                  opts["checkpoint"], opts["backprop_depth"])
+                                  opts["checkpoint"], opts["backprop_depth"], None if docs is None else docs[:, :-1])
         staleness_rows = getattr(a, "staleness_rows", 2)
         if mode == "pass2":
             opts = {k: v for k, v in opts.items() if k not in ("pass1_sweeps", "context_grad")}
-            out = loss_sweep(m, batch, pol, prev, a.layout, pl, mask=mask, measure_staleness=measure_staleness,
+            out = loss_sweep(m, batch, pol, prev, a.layout, pl, docs=docs, mask=mask, measure_staleness=measure_staleness,
                              staleness_rows=staleness_rows, **opts)
         else:
             out = {}
-            training_loss(m, batch, pol, a.layout, pl, mask=mask, measure_staleness=measure_staleness,
+            training_loss(m, batch, pol, a.layout, pl, docs=docs, mask=mask, measure_staleness=measure_staleness,
                           staleness_rows=staleness_rows, parts=out, **opts)
         return {k: v for k, v in out.items() if not k.startswith("_")}
 
@@ -450,19 +456,24 @@ def policy_for(cfg, a: argparse.Namespace, threshold: float | None = None) -> Ex
 
 @torch.no_grad()
 def quick_eval(model, windows: torch.Tensor, a, policy: ExitPolicy, layout: str,
-               masks: torch.Tensor | None = None) -> dict:
-    """Held-out ppl / mean depth under `layout` after `--eval-sweeps` sweeps (evaluate.py is exact);
-    with `masks` (--heldout-loss-mask) over the counted targets only."""
+               masks: torch.Tensor | None = None, docs: torch.Tensor | None = None) -> dict:
+    """Held-out ppl / mean depth under `layout` after `--eval-sweeps` sweeps (evaluate.py is exact)
+    over the decode positions; with `masks` (--heldout-loss-mask, --dataset) the counted targets only,
+    with `docs` the packed documents kept apart, each with its own prompt (SharedKVObjective.forward)."""
     ce, depth = [], []
     for i in range(0, len(windows), a.batch):
         w = windows[i:i + a.batch].to(model.device)
+        x, tgt = w[:, :-1], w[:, 1:]
+        tm = None if masks is None else masks[i:i + a.batch, 1:].to(model.device)
+        d = None if docs is None else docs[i:i + a.batch, :-1].to(model.device)
+        pl = a.prompt_len if d is None else prompt_from_targets(tm, d, a.prompt_len)
         cur = None
         for _ in range(a.eval_sweeps if layout != "full_depth" else 1):
-            cur = sweep(model, w[:, :-1], policy, layout, cur, a.prompt_len)
-        keep = (torch.ones_like(w[:, 1:], dtype=torch.bool) if masks is None else
-                masks[i:i + a.batch, 1:].to(model.device))[:, a.prompt_len:]
-        ce.append(token_ce(cur.exit_logits, w[:, 1:])[:, a.prompt_len:][keep])
-        depth.append(cur.depths[:, a.prompt_len:][keep].double())
+            cur = sweep(model, x, policy, layout, cur, pl, docs=d)
+        keep = (torch.ones_like(tgt, dtype=torch.bool) if tm is None else tm.bool()) & \
+            ~prompt_positions(pl, x.shape, d, x.device)
+        ce.append(token_ce(cur.exit_logits, tgt)[keep])
+        depth.append(cur.depths[keep].double())
     return {"ppl": float(torch.cat(ce).mean().exp()), "mean_depth": float(torch.cat(depth).mean())}
 
 
@@ -485,15 +496,15 @@ def rows_eval(model, held: Rows, a, policy: ExitPolicy, layout: str) -> dict:
             "em": float(torch.cat(em).mean())}
 
 
-def held_eval(model, val, a, policy: ExitPolicy, layout: str, masks=None) -> dict:
+def held_eval(model, val, a, policy: ExitPolicy, layout: str, masks=None, docs=None) -> dict:
     return rows_eval(model, val, a, policy, layout) if isinstance(val, Rows) else \
-        quick_eval(model, val, a, policy, layout, masks)
+        quick_eval(model, val, a, policy, layout, masks, docs)
 
 
-def choose_threshold(model, windows, a) -> tuple[float, list[dict]]:
+def choose_threshold(model, windows, a, masks=None, docs=None) -> tuple[float, list[dict]]:
     grid = []
     for q in [round(x, 2) for x in np.arange(0.05, 0.99, 0.05)]:
-        r = held_eval(model, windows, a, policy_for(model.cfg, a, q), a.layout)
+        r = held_eval(model, windows, a, policy_for(model.cfg, a, q), a.layout, masks, docs)
         grid.append({"threshold": q, **r})
     best = min(grid, key=lambda r: abs(r["mean_depth"] - a.target_mean_depth))
     return best["threshold"], grid
@@ -561,12 +572,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--wd", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--dataset", default=None,
-                   help="a `datasets` source: local .jsonl/.json/.parquet/.csv/.txt/.arrow file or folder, a "
-                        "save_to_disk folder, or a hub name (online); tokenised with the model's tokenizer")
-    p.add_argument("--text-column", default="text", help="the --dataset column holding the text")
-    p.add_argument("--heldout-frac", type=float, default=0.1,
-                   help="--dataset without a validation/test split: this share of the packed windows is held out")
+    add_dataset_args(p)  # --dataset and its format, loss and packing options (train/datasource.py)
     p.add_argument("--tokens", type=Path, help=".npy token ids to train on (default: the built corpus)")
     p.add_argument("--heldout-tokens", type=Path, help=".npy held-out token ids")
     p.add_argument("--loss-mask", type=Path, help=".npy aligned with --tokens: nonzero where a token counts as a "
@@ -633,8 +639,10 @@ def load_data(a, tokenizer_dir: Path, acc) -> Tokens | tuple[Rows, Rows]:
             raise UserError("--rows needs --heldout-rows and no --dataset / --tokens")
         return Rows.load(a.rows), Rows.load(a.heldout_rows)
     if a.dataset is not None:
-        return from_dataset(a.dataset, a.text_column, tokenizer_dir, a.ctx, a.heldout_frac,
-                            is_main=acc.is_main_process, wait=acc.wait_for_everyone)
+        data = from_dataset(a.dataset, a.text_column, tokenizer_dir, a.ctx, a.heldout_frac,
+                            is_main=acc.is_main_process, wait=acc.wait_for_everyone, **dataset_kwargs(a))
+        acc.print(summary(data.meta))
+        return data
     if a.tokens is not None:
         return from_npy(a.tokens, a.heldout_tokens, a.loss_mask, a.heldout_loss_mask)
     train, held = from_corpus(("train", "heldout"), tokenizer_dir)
@@ -716,15 +724,24 @@ def check_output_arg(output: Path, model: Path) -> None:
                             "the input folder is never written; pass another --output")
 
 
+class Micro(NamedTuple):
+    """One micro-batch: windows [B, T+1], their loss mask and documents (None: all count / one
+    document per window) and the prompt (an int, or the inputs' bool [B, T] prompt positions)."""
+    batch: torch.Tensor
+    mask: torch.Tensor | None
+    prompt_len: int | torch.Tensor
+    docs: torch.Tensor | None = None
+
+
 def optimizer_step(acc, obj, opt, sched, micros: list, clip: float, stale: bool = False) -> list[dict]:
-    """One optimizer step over `micros`, the --grad-accum micro-batches [(batch, mask, prompt_len)]:
+    """One optimizer step over `micros`, the --grad-accum micro-batches (Micro or its tuple):
     accelerate's accumulate scales each loss by 1/N and syncs gradients (DDP / FSDP) on the last one
     only; the optimizer and the lr schedule step once. Returns each micro-batch's loss parts (floats);
     the staleness is measured on the first."""
     outs = []
-    for i, (batch, mask, pl) in enumerate(micros):
+    for i, mb in enumerate(Micro(*m) for m in micros):
         with acc.accumulate(obj):
-            out = obj(batch, mask=mask, prompt_len=pl, measure_staleness=stale and i == 0)
+            out = obj(mb.batch, mask=mb.mask, prompt_len=mb.prompt_len, docs=mb.docs, measure_staleness=stale and i == 0)
             acc.backward(out["loss"])
             if acc.sync_gradients:
                 for m in fsdp2_units(obj):  # the gathered blocks' parameters hold no gradient: the shards do
@@ -815,11 +832,15 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     rows = isinstance(data, tuple)
     if rows:
         data, val = data
-        val_mask, top = None, int(max(data.ids.max(), val.ids.max()))
+        val_mask, val_docs, top = None, None, int(max(data.ids.max(), val.ids.max()))
         meta = {"source": "rows", "rows": str(a.rows), "n_rows": len(data), "heldout_rows": str(a.heldout_rows),
                 "n_heldout": len(val), "rows_meta": data.meta, "heldout_meta": val.meta}
     else:
         val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
+        val_docs = data.eval_doc(a.ctx, a.eval_windows)
+        if val_docs is not None and prompt_grad(a):
+            raise UserError("--prompt-grad on needs one prompt per row (--rows); --dataset packs documents, "
+                            "each with its own prompt")
         top, meta = int(data.train.max()), data.meta
     if top >= model.cfg.vocab_size:
         raise UserError(f"the training tokens reach id {top} but the model's vocabulary has "
@@ -838,7 +859,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     if ck is None and acc.is_main_process and a.eval_windows:
         model.eval()
         rec = {"step": 0, **{f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                             for k, v in held_eval(model, val, a, policy, lay, val_mask).items()}}
+                             for k, v in held_eval(model, val, a, policy, lay, val_mask, val_docs).items()}}
         hist.records = []
         hist.log(rec)
         acc.print(json.dumps(rec))
@@ -895,10 +916,11 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
             # micro-batch 0 keeps the seed of the runs before --grad-accum (same data at --grad-accum 1)
             seed = [a.seed, step, acc.process_index] + ([micro] if micro else [])
             if rows:
-                batch, bmask, pl = data.batch(a.batch, seed)
+                mb = Micro(*data.batch(a.batch, seed))
             else:
-                batch, bmask, pl = data.batch(a.batch, a.ctx, seed), data.batch_mask(a.batch, a.ctx, seed), a.prompt_len
-            micros.append((batch.to(acc.device), None if bmask is None else bmask.to(acc.device), pl))
+                mb = Micro(data.batch(a.batch, a.ctx, seed), data.batch_mask(a.batch, a.ctx, seed), a.prompt_len,
+                           data.batch_doc(a.batch, a.ctx, seed))
+            micros.append(Micro(*(x.to(acc.device) if torch.is_tensor(x) else x for x in mb)))
         if first_batch is None:
             first_batch = micros[0][0].tolist()
         obj.train()
@@ -906,7 +928,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         t_step = time.perf_counter()
         with flop_counter(ran == 0) as fc:  # FLOPs of one whole step (recomputations included), once a launch
             outs = optimizer_step(acc, obj, opt, sched, micros, a.clip, stale)  # training_loss's parts per micro-batch
-        tokens = sum(int(b[:, 1:].numel()) for b, _, _ in micros)  # the targets this rank trained on
+        tokens = sum(int(mb.batch[:, 1:].numel()) for mb in micros)  # the targets this rank trained on
         if fc is not None:
             flops_per_token = fc.flops / tokens
         train_s += time.perf_counter() - t_step
@@ -935,7 +957,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
                 if acc.is_main_process:
                     m.eval()
                     rec.update({f"{lay}_{k}": v for lay in (a.layout, "last_exited")
-                                for k, v in held_eval(m, val, a, policy, lay, val_mask).items()})
+                                for k, v in held_eval(m, val, a, policy, lay, val_mask, val_docs).items()})
             if acc.is_main_process:
                 hist.log(rec)
                 if wb is not None:
@@ -979,7 +1001,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
         print(f"note: the distilled heads {stale} were distilled from the model before this run; not saved "
               "(re-run train/distill_gate.py on the output)")
     if a.target_mean_depth is not None:
-        q, grid = choose_threshold(model, val, a)
+        q, grid = choose_threshold(model, val, a, val_mask, val_docs)
         cfg_kw["exit_threshold"] = q
         summary.update(threshold_grid=grid, chosen_threshold=q)
     if {"exit_lookahead", "kv_layout"} <= {f.name for f in dataclasses.fields(model.cfg)}:
