@@ -43,7 +43,7 @@ SETTINGS = ("exit_criterion", "exit_threshold", "r_min", "kv_layout", "lookahead
 DEFAULTS = dict(tasks="looped_suite", limit=24, bench_workload="alpaca", bench_requests=16, bench_scale=1.0,
                 bench_repeats=1, batch_size=32, dtype="float32", device="cpu", load_format="auto", seed=0,
                 baselines=True, bootstrap_iters=100, project="looped-eval",
-                throughput="cpu", sim_model=None, sim_batch_size=64)
+                throughput="cpu", sim_model=None, sim_batch_size=64, samples=False)
 THROUGHPUTS = ("cpu", "sim:h100", "sim:h200", "emulated:h100", "emulated:h200")
 
 
@@ -106,9 +106,11 @@ def flatten(results: dict) -> dict[str, float]:
 
 
 def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager,
-                   record_exits: Path | None = None) -> dict[str, float]:
+                   record_exits: Path | None = None, samples_to: Path | None = None) -> dict[str, float]:
     """The point's lm-eval metrics and mean exit depth; `record_exits`: also write the exits it
-    took (lm-eval's record_exits model arg) to that file."""
+    took (lm-eval's record_exits model arg) to that file; `samples_to` (the sweep's `samples: true`):
+    each document's metric values, {task: [{doc_id, metric: value}]}, for paired intervals between
+    points (e.g. bits_per_byte's (log-likelihood, bytes) per document: lm-eval gives it no stderr)."""
     from eval.lm import LoopedEvalLM, simple_evaluate
 
     lm = LoopedEvalLM(model, tokenizer=tokenizer, batch_size=cfg["batch_size"], dtype=cfg["dtype"],
@@ -116,10 +118,17 @@ def evaluate_point(model, tokenizer, point: dict, cfg: dict, task_manager,
                       **{k: point[k] for k in SETTINGS if point.get(k) is not None})
     tasks = cfg["tasks"].split(",") if isinstance(cfg["tasks"], str) else list(cfg["tasks"])
     res = simple_evaluate(lm, tasks=tasks, limit=cfg["limit"], task_manager=task_manager,
-                          bootstrap_iters=cfg["bootstrap_iters"], log_samples=False, random_seed=cfg["seed"],
+                          bootstrap_iters=cfg["bootstrap_iters"], log_samples=samples_to is not None,
+                          random_seed=cfg["seed"],
                           numpy_random_seed=cfg["seed"], torch_random_seed=cfg["seed"], fewshot_random_seed=cfg["seed"])
     row = flatten(res)
     row["mean_exit_depth"] = lm.mean_exit_depth()
+    if samples_to is not None:
+        samples_to.parent.mkdir(parents=True, exist_ok=True)
+        per_doc = {task: [{"doc_id": x["doc_id"], **{m: x[m] for m in x["metrics"]}} for x in xs]
+                   for task, xs in res["samples"].items()}
+        samples_to.write_text(json.dumps(per_doc) + "\n")
+        row["samples"] = str(samples_to)
     return row
 
 
@@ -216,7 +225,8 @@ def measure_point(model, tokenizer, pretrained, point: dict, cfg: dict, tm, out:
     exits = None if source == "cpu" else out / "exits" / f"{point_name(point)}.exits.json"
     if exits is not None:
         sim_shape(cfg)  # (refused before the evaluation)
-    row = {**evaluate_point(model, tokenizer, point, cfg, tm, exits), **bench_point(pretrained, point, cfg)}
+    samples = out / "samples" / f"{point_name(point)}.json" if cfg.get("samples") else None
+    row = {**evaluate_point(model, tokenizer, point, cfg, tm, exits, samples), **bench_point(pretrained, point, cfg)}
     if exits is not None:
         row.update(sim_point(point, cfg, exits, out / "sim" / point_name(point)))
     if source.startswith("emulated:"):
