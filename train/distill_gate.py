@@ -1,6 +1,6 @@
 """Distil a lookahead head and / or a preloop gate from a checkpoint's frozen stock exit gate.
 
-    accelerate launch train/distill_gate.py --model checkpoints/ouro-demo
+    accelerate launch train/distill_gate.py --model checkpoints/ouro-demo --output .cache/runs/ouro-gates --dataset chat.jsonl
     python train/distill_gate.py --model path/to/huginn-0125 --add-gate --teacher loss --output .cache/runs/huginn-gate
     python train/distill_gate.py --model checkpoints/ouro-demo --output .cache/runs/ouro-gates --gates lookahead
 
@@ -42,15 +42,30 @@ config.json `exit_gate: true`, `exit_criterion: "learned"`, that `exit_threshold
 from it as from a stock gate.
 
 The heads go to OUTPUT/exit_gates.safetensors with `lookahead_gate` / `preloop_gate` /
-`gate_teacher` in OUTPUT/config.json (OUTPUT defaults to --model: the checkpoint's own tensors are
-not rewritten; another OUTPUT gets a copy of the folder first). The held-out agreement between
-teacher and student depths (exact agreement, mean |depth difference|, mean depths) at each
-`--thresholds` value is printed and written to OUTPUT/distill_gate.json, beside the same figures
-for the stock gate read one step late (today's `lookahead=True`).
+`gate_teacher` in OUTPUT/config.json; OUTPUT (--output, required) gets a copy of --model first (the
+checkpoint's own tensors are not rewritten; --model itself, or a folder inside it, is refused: an HF
+cache snapshot's files are symlinks into the cache). The held-out agreement between teacher and
+student depths (exact agreement, mean |depth difference|, mean depths) at each `--thresholds` value is
+printed and written to OUTPUT/distill_gate.json, beside the same figures for the stock gate read one
+step late (today's `lookahead=True`); it is streamed `--eval-batch` windows at a time (sums and
+counts, never every window's full-vocabulary logits at once).
+
+At scale (issue 59): `--dataset` takes chat / prompt-completion / text datasets (train/datasource.py:
+assistant-only / completion-only loss, packed documents kept apart: positions restart per document and
+attention stays inside it, in every pass here); the frozen model runs under bf16 autocast on CUDA
+(`--mixed-precision`), the heads in float32; checkpoints (accelerate save_state: heads, optimizer,
+scheduler) every `--save-every` steps in OUTPUT/checkpoints (the --add-gate phase in
+OUTPUT/checkpoints/add_gate), the last 2 kept, meta.json written last; OUTPUT/run.json names the run:
+the same command resumes (a larger --steps continues it), another config with that --output fails.
+Records go to OUTPUT/history.json (history_add_gate.json) and wandb (offline; --no-wandb). The
+authors' defaults: warm-up 500, cosine to 0.05x, 4,096-token windows, assistant-only loss.
+Memory and time at Ouro-1.4B / Huginn-3.5B: `python -m train.estimate --script distill ...`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import shutil
@@ -60,7 +75,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from looplm.cli import UserError
@@ -70,33 +85,57 @@ from looplm.io import load_pretrained, save_gates
 from looplm.model import plain_attend_for
 from looplm.policy import DEFAULT_THRESHOLDS, ExitPolicy, ExitTracker
 from train import cli
-from train.common import TOKENIZER, exit_depths, logits_of, token_ce
+from train.common import TOKENIZER, History, exit_depths, init_wandb, logits_of, token_ce
+from train.datasource import add_dataset_args, dataset_kwargs
+from train.packing import doc_attend_for, doc_positions
 from train.shared_kv import check_model_arg, load_data
 
 GATES = {"both": ("lookahead", "preloop"), "lookahead": ("lookahead",), "preloop": ("preloop",), "none": ()}
 
 
 # ---------------------------------------------------------------- teacher and features
+def window_pass(model, ids: torch.Tensor, docs: torch.Tensor | None):
+    """rope and attend_for of a pass over `ids` [B, T]; with `docs` [B, T] (packed documents,
+    train/packing.py) positions restart per document and attention stays inside it."""
+    if docs is None:
+        return model.rope(torch.arange(ids.shape[1], device=ids.device)), plain_attend_for
+    return model.rope(doc_positions(docs)), doc_attend_for(docs)
+
+
+def frozen_autocast(device, precision: str):
+    """The frozen model's passes under bf16 autocast (`--mixed-precision bf16`); the heads run
+    outside it, in float32."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, torch.bfloat16)
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """At least float32: what the heads read (bf16 autocast outputs widened; a float64 model's, as they are)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 @torch.no_grad()
-def features(model, ids: torch.Tensor, targets: torch.Tensor | None = None):
+def features(model, ids: torch.Tensor, targets: torch.Tensor | None = None, docs: torch.Tensor | None = None):
     """One full-depth causal pass over `ids` [B, T]: the stock gate's input after every step
     [R, B, T, d], the teacher's hazards [B, T, R], the prelude output [B, T, d] and, with `targets`
-    [B, T] (the next tokens), the coda's next-token loss in nats after every step [B, T, R] (else None)."""
+    [B, T] (the next tokens), the coda's next-token loss in nats after every step [B, T, R] (else None).
+    `docs` [B, T]: the inputs' documents (positions restart, attention stays inside each)."""
     R = model.cfg.r_max
-    rope = model.rope(torch.arange(ids.shape[1], device=ids.device))
-    state, inj = model.prelude(ids, rope, plain_attend_for)
+    rope, attend_for = window_pass(model, ids, docs)
+    state, inj = model.prelude(ids, rope, attend_for)
     pre = inj if inj is not None else state
     feats, logits, nll = [], [], []
     gate = model.stock_gate()
     for _ in range(R):
-        state = model.core_step(state, inj, rope, plain_attend_for)
+        state = model.core_step(state, inj, rope, attend_for)
         f = model.gate_features(state)
-        feats.append(f.float())
-        logits.append(gate(f).squeeze(-1).float())
+        feats.append(wide(f))
+        logits.append(wide(gate(f).squeeze(-1)))
         if targets is not None:
-            out = model.head(model.coda(state, rope, plain_attend_for)).float()
+            out = wide(model.head(model.coda(state, rope, attend_for)))
             nll.append(F.cross_entropy(out.transpose(1, 2), targets, reduction="none"))
-    return (torch.stack(feats), torch.sigmoid(torch.stack(logits, -1)), pre.float(),
+    return (torch.stack(feats), torch.sigmoid(torch.stack(logits, -1)), wide(pre),
             torch.stack(nll, -1) if targets is not None else None)
 
 
@@ -173,6 +212,27 @@ def preloop_loss(head: nn.Linear, pre: torch.Tensor, hazards: torch.Tensor, mask
     return {"loss": kl + cdf, "kl": kl, "cdf_mae": cdf}
 
 
+def heads_loss(model, heads, names, windows: torch.Tensor, mask, docs, objective: str = "teacher",
+               epsilon: float = 0.1, precision: str = "no") -> dict:
+    """The distilled heads' loss on windows [B, T+1] (inputs windows[:, :-1], targets windows[:, 1:]):
+    the frozen model's feature pass (no grad; bf16 autocast with `precision` bf16), then the heads
+    in float32. `mask` / `docs`: the windows' loss mask and documents [B, T+1] (or None). Returns
+    {head: its loss parts} and "loss", their sum."""
+    targets_mask = None if mask is None else mask[:, 1:]  # the targets' mask: the inputs are windows[:, :-1]
+    oracle = objective == "oracle" and "lookahead" in names
+    with frozen_autocast(windows.device, precision):
+        feats, hazards, pre, nll = features(model, windows[:, :-1], windows[:, 1:] if oracle else None,
+                                            None if docs is None else docs[:, :-1])
+    parts = {}
+    if oracle:
+        parts["lookahead"] = oracle_loss(heads["lookahead"], feats, nll, targets_mask, epsilon)
+    elif "lookahead" in names:
+        parts["lookahead"] = lookahead_loss(heads["lookahead"], feats, hazards, targets_mask)
+    if "preloop" in names:
+        parts["preloop"] = preloop_loss(heads["preloop"], pre, hazards, targets_mask)
+    return {**parts, "loss": sum(x["loss"] for x in parts.values())}
+
+
 # ---------------------------------------------------------------- agreement
 def depth_of(policy: ExitPolicy, scores: list[float]) -> int:
     """The engine's exit depth for one token's per-step scores (the ExitTracker's rule)."""
@@ -189,17 +249,23 @@ def step_scores_of(rule: str, hazards: torch.Tensor) -> torch.Tensor:
     return 1 - torch.cumprod(1 - hazards, -1) if rule == "ouro_gate" else hazards
 
 
+CANDIDATE_KEYS = ("agreement", "mean_abs_diff", "mean_depth", "mean_nll")
+
+
 @torch.no_grad()
-def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thresholds: list[float]) -> dict:
-    """Teacher vs student exit depths on held-out windows, per threshold."""
+def agreement_sums(model, teacher: str, heads: dict, w: torch.Tensor, mask, docs, thresholds: list[float],
+                   precision: str = "no") -> dict:
+    """agreement()'s sums over the counted tokens of windows `w` [b, T+1]: per threshold the teacher's
+    depth sum and, per candidate, the sums of exact agreements, |depth differences|, depths and the
+    next-token losses at its depths; "tokens", the count."""
     R = model.cfg.r_max
-    feats, hazards, pre, nll = features(model, windows[:, :-1], windows[:, 1:])
-    keep = (mask[:, 1:] if mask is not None else torch.ones_like(windows[:, 1:], dtype=torch.bool)).reshape(-1)
+    with frozen_autocast(w.device, precision):
+        feats, hazards, pre, nll = features(model, w[:, :-1], w[:, 1:], None if docs is None else docs[:, :-1])
+    keep = (mask[:, 1:].to(w.device) if mask is not None else torch.ones_like(w[:, 1:], dtype=torch.bool)).reshape(-1)
     hz = hazards.reshape(-1, R)[keep]
     nll = nll.reshape(-1, R)[keep].tolist()
     teach = step_scores_of(teacher, hz).tolist()
     late = teach  # the stock gate read one step late: the same scores, lookahead=True
-    out = {"tokens": len(teach)}
     if "lookahead" in heads:
         z = heads["lookahead"](feats).squeeze(-1).permute(1, 2, 0).reshape(-1, R)[keep]
         stud = step_scores_of(teacher, torch.sigmoid(z.double())).tolist()
@@ -209,7 +275,7 @@ def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thr
     for q in thresholds:
         pol = ExitPolicy(teacher, q, 1, R)
         td = [depth_of(pol, x) for x in teach]
-        row = {"threshold": q, "teacher_mean_depth": sum(td) / len(td)}
+        row = {"teacher_depth": sum(td)}
         folded = [max(2, d) for d in td]  # what a lookahead signal can reach (depth >= 2)
         cands = {"stock_late": [depth_of(ExitPolicy(teacher, q, 1, R, lookahead=True), x) for x in late]}
         if "lookahead" in heads:
@@ -222,14 +288,45 @@ def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thr
                 cands["preloop"].append(t.stop_at)
         for name, d in cands.items():
             ref = td if name == "preloop" else folded  # lookahead signals: vs the teacher folded to >= 2
-            row[name] = {"agreement": sum(a == b for a, b in zip(d, ref)) / len(d),
-                         "mean_abs_diff": sum(abs(a - b) for a, b in zip(d, ref)) / len(d),
-                         "mean_depth": sum(d) / len(d),
+            row[name] = {"agreement": sum(a == b for a, b in zip(d, ref)),
+                         "mean_abs_diff": sum(abs(a - b) for a, b in zip(d, ref)),
+                         "mean_depth": sum(d),
                          # the next-token loss at the exit depth (teacher-forced, full-depth features)
-                         "mean_nll": sum(x[k - 1] for x, k in zip(nll, d)) / len(d)}
+                         "mean_nll": sum(x[k - 1] for x, k in zip(nll, d))}
         rows.append(row)
-    out["thresholds"] = rows
-    return out
+    return {"tokens": len(teach), "rows": rows}
+
+
+@torch.no_grad()
+def agreement(model, teacher: str, heads: dict, windows: torch.Tensor, mask, thresholds: list[float],
+              docs=None, batch: int = 1, precision: str = "no") -> dict:
+    """Teacher vs student exit depths on held-out windows [N, T+1] (their loss mask / documents
+    [N, T+1] or None), per threshold. Streamed `batch` windows at a time, sums and counts
+    accumulated: never the full-vocabulary logits of every window at once (at 4,096 tokens 32 windows'
+    float32 logits alone are ~26 GB)."""
+    dev = model.device
+    total, acc = 0, None
+    for i in range(0, len(windows), batch):
+        part = agreement_sums(model, teacher, heads, windows[i:i + batch].to(dev),
+                              None if mask is None else mask[i:i + batch],
+                              None if docs is None else docs[i:i + batch].to(dev), thresholds, precision)
+        total += part["tokens"]
+        if acc is None:
+            acc = part["rows"]
+            continue
+        for row, new in zip(acc, part["rows"]):
+            row["teacher_depth"] += new["teacher_depth"]
+            for name, sums in row.items():
+                if isinstance(sums, dict):
+                    for k in CANDIDATE_KEYS:
+                        sums[k] += new[name][k]
+    n = max(total, 1)
+    rows = []
+    for q, row in zip(thresholds, acc or []):
+        rows.append({"threshold": q, "teacher_mean_depth": row["teacher_depth"] / n,
+                     **{name: {k: sums[k] / n for k in CANDIDATE_KEYS} for name, sums in row.items()
+                        if isinstance(sums, dict)}})
+    return {"tokens": total, "thresholds": rows}
 
 
 # ---------------------------------------------------------------- --add-gate: a new per-step exit gate
@@ -250,12 +347,6 @@ def check_add_gate(a, cfg) -> None:
                         f"{cfg.name} has {cfg.r_max}")
     if cfg.r_min >= cfg.r_max:
         raise UserError(f"--add-gate: r_min = r_max = {cfg.r_max} leaves a gate nothing to decide")
-    if a.output is None:
-        raise UserError("--add-gate needs --output (a new folder: --model is never written)")
-    if a.output.resolve() == a.model.resolve():
-        raise UserError("--add-gate: --output must be another folder than --model (--model is never written)")
-    if a.output.exists() and any(a.output.iterdir()):
-        raise UserError(f"--output {a.output} exists and is not empty")
     if a.teacher == "loss" and a.teacher_threshold is not None:
         raise UserError("--teacher-threshold is for --teacher kl / latent_diff / entropy_diff (--teacher loss "
                         "uses --margin)")
@@ -287,7 +378,7 @@ def first_exit(target: torch.Tensor, r_min: int) -> torch.Tensor:
 
 @torch.no_grad()
 def added_gate_batch(model, ids: torch.Tensor, targets: torch.Tensor, teacher: str, policy: ExitPolicy | None,
-                     margin: float):
+                     margin: float, docs: torch.Tensor | None = None):
     """One full-depth causal pass of the frozen model over `ids` [B, T] (no grad): the gate's input
     `gate_features(state)` after every step [R, B, T, d] (float32), the teacher's targets [R, B, T]
     (1 = exit at step s) and the coda's next-token loss [R, B, T] (None for latent_diff, which needs no coda).
@@ -296,15 +387,16 @@ def added_gate_batch(model, ids: torch.Tensor, targets: torch.Tensor, teacher: s
     - kl / latent_diff / entropy_diff: 1 from the criterion's exit depth on (it would have exited at or
       before s), its scores computed by the engine's own function (looplm.exits.step_scores: float64,
       kl against uniform and entropy_diff against 100 at step 1, latent_diff against the initial state)
-      and its depth by train.common.exit_depths (the ExitTracker's rule, r_min honoured)."""
+      and its depth by train.common.exit_depths (the ExitTracker's rule, r_min honoured).
+    `docs` [B, T]: the inputs' documents (positions restart, attention stays inside each)."""
     R = model.cfg.r_max
-    rope = model.rope(torch.arange(ids.shape[1], device=ids.device))
-    state, inj = model.prelude(ids, rope, plain_attend_for)  # Huginn: the zero initial state, the injection
+    rope, attend_for = window_pass(model, ids, docs)
+    state, inj = model.prelude(ids, rope, attend_for)  # Huginn: the zero initial state, the injection
     feats, ce, scores, aux = [], [], [], None
     for _ in range(R):
-        prev, state = state, model.core_step(state, inj, rope, plain_attend_for)
-        feats.append(model.gate_features(state).float())
-        logits = logits_of(model, state, rope) if teacher != "latent_diff" else None
+        prev, state = state, model.core_step(state, inj, rope, attend_for)
+        feats.append(wide(model.gate_features(state)))
+        logits = logits_of(model, state, rope, attend_for) if teacher != "latent_diff" else None
         if logits is not None:
             ce.append(token_ce(logits, targets))
         if policy is not None:
@@ -330,6 +422,17 @@ def added_gate_loss(gate: nn.Module, feats: torch.Tensor, target: torch.Tensor, 
     return {"loss": bce, "bce": bce, "exit_frac": masked_mean(t, mask)}
 
 
+def added_gate_step_loss(model, gate, windows: torch.Tensor, mask, docs, teacher: str, policy, margin: float,
+                         r_min: int = 1, precision: str = "no") -> dict:
+    """The new gate's loss on windows [B, T+1]: the frozen model's pass (no grad, bf16 autocast with
+    `precision` bf16) for the teacher's targets and the gate's input, then the gate in float32.
+    `mask` / `docs`: the windows' loss mask and documents [B, T+1] (or None)."""
+    with frozen_autocast(windows.device, precision):
+        feats, target, _ = added_gate_batch(model, windows[:, :-1], windows[:, 1:], teacher, policy, margin,
+                                            None if docs is None else docs[:, :-1])
+    return added_gate_loss(gate, feats, target, None if mask is None else mask[:, 1:], r_min)
+
+
 def init_added_gate(d: int, exit_rate: float) -> nn.Linear:
     """The new gate, Linear(d -> 1) like the architecture's exit_gate. Zero weights and the bias at
     logit(exit_rate): the gate starts as the best constant under BCE (sigmoid = the teacher's mean exit
@@ -344,14 +447,17 @@ def init_added_gate(d: int, exit_rate: float) -> nn.Linear:
 
 
 @torch.no_grad()
-def added_gate_eval(model, gate, windows: torch.Tensor, mask, teacher: str, policy, margin: float, batch: int) -> dict:
+def added_gate_eval(model, gate, windows: torch.Tensor, mask, teacher: str, policy, margin: float, batch: int,
+                    docs=None, precision: str = "no") -> dict:
     """The held-out tokens' targets, losses and (with `gate`) gate logits, each [R, N] (N: the tokens
-    that count), in chunks of `batch` windows."""
+    that count), in chunks of `batch` windows (only these [R, N] rows are kept, never the logits)."""
     parts: dict[str, list] = {"target": [], "ce": [], "logits": []}
     dev = model.device
     for i in range(0, len(windows), batch):
         w = windows[i:i + batch].to(dev)
-        feats, target, ce = added_gate_batch(model, w[:, :-1], w[:, 1:], teacher, policy, margin)
+        d = None if docs is None else docs[i:i + batch, :-1].to(dev)
+        with frozen_autocast(dev, precision):
+            feats, target, ce = added_gate_batch(model, w[:, :-1], w[:, 1:], teacher, policy, margin, d)
         keep = (mask[i:i + batch, 1:].to(dev) if mask is not None else torch.ones_like(w[:, 1:], dtype=torch.bool)).reshape(-1)
         parts["target"].append(target.flatten(1)[:, keep].cpu())
         if ce is not None:
@@ -395,51 +501,76 @@ def added_gate_report(held: dict, q: float, r_min: int, r_max: int) -> dict:
     return out
 
 
-def train_added_gate(model, a, data, val: torch.Tensor, val_mask, acc) -> dict:
+def train_added_gate(model, a, data, val: torch.Tensor, val_mask, val_docs, acc, wb=None) -> dict:
     """--add-gate: train a new exit gate on the frozen model against --teacher, pick its exit
     threshold (the teacher's mean depth on the held-out windows) and install it in `model` (its cfg:
-    exit_gate true, exit_criterion learned, that threshold). Returns the run's summary."""
+    exit_gate true, exit_criterion learned, that threshold). Returns the run's summary.
+    Checkpoints in OUTPUT/checkpoints/add_gate; the finished gate and its summary there too (done.json,
+    written last): a re-run with the same --steps takes them, a larger --steps trains on."""
     cfg = model.cfg
     R, r_min = cfg.r_max, cfg.r_min
     policy = teacher_policy(cfg, a.teacher, a.teacher_threshold)
-    # the held-out targets first: their mean exit rate sets the gate's bias (the same on every process)
-    held = added_gate_eval(model, None, val, val_mask, a.teacher, policy, a.margin, a.batch)
-    rate = held["target"][r_min - 1:R - 1].mean().item()
+    ckdir = a.output / "checkpoints" / "add_gate"
+    done = ckdir / "done.json"
+    if done.exists() and json.loads(done.read_text())["steps"] == a.steps:
+        rec = json.loads(done.read_text())
+        gate = init_added_gate(cfg.hidden_size, 0.5)
+        gate.load_state_dict(load_file(str(ckdir / "gate.safetensors")))
+        install_gate(model, gate.to(acc.device), rec["added"]["heldout"]["exit_threshold"])
+        acc.print(f"the added gate: taken from {ckdir} ({a.steps} steps)")
+        return rec["added"]
+    # the held-out targets first: their mean exit rate sets the gate's bias (the same on every process;
+    # kept for a resumed run, whose gate comes from its checkpoint)
+    init = ckdir / "init.json"
+    if init.exists():
+        rate = json.loads(init.read_text())["init_exit_rate"]
+    else:
+        held = added_gate_eval(model, None, val, val_mask, a.teacher, policy, a.margin, a.eval_batch, val_docs,
+                               a.precision)
+        rate = held["target"][r_min - 1:R - 1].mean().item()
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            ckdir.mkdir(parents=True, exist_ok=True)
+            init.write_text(json.dumps({"init_exit_rate": rate}) + "\n")
     torch.manual_seed(a.seed)
     gate = init_added_gate(cfg.hidden_size, rate).float().to(acc.device)
     opt = torch.optim.AdamW(gate.parameters(), lr=a.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_scale(s, a))
     gate, opt, sched = acc.prepare(gate, opt, sched)
-    t0, logs, hist = time.time(), [], []
-    for step in range(a.steps):
+    hist = History(a.output / "history_add_gate.json")
+
+    def step_loss(step: int) -> dict:
         seed = [a.seed, 10 ** 6 + step, acc.process_index]  # other windows than the heads' loop draws
-        ids = data.batch(a.batch, a.ctx, seed).to(acc.device)
-        bmask = data.batch_mask(a.batch, a.ctx, seed)
-        mask = None if bmask is None else bmask[:, 1:].to(acc.device)
-        feats, target, _ = added_gate_batch(model, ids[:, :-1], ids[:, 1:], a.teacher, policy, a.margin)
-        part = added_gate_loss(gate, feats, target, mask, r_min)
-        opt.zero_grad(set_to_none=True)
-        acc.backward(part["loss"])
-        acc.clip_grad_norm_(gate.parameters(), a.clip)
-        opt.step()
-        sched.step()
-        logs.append({f"exit_gate_{k}": float(v.detach()) for k, v in part.items()})
-        if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
-            rec = {"step": step + 1, **{k: sum(x[k] for x in logs) / len(logs) for k in logs[0]},
-                   "time_s": round(time.time() - t0, 1)}
-            logs = []
-            hist.append(rec)
-            acc.print(json.dumps(rec))
+        w, m, d = draw(data, a, seed, acc.device)
+        part = added_gate_step_loss(model, gate, w, m, d, a.teacher, policy, a.margin, r_min, a.precision)
+        return {"loss": part["loss"], **{f"exit_gate_{k}": v for k, v in part.items()}}
+
+    t0 = time.time()
+    train_loop(a, acc, gate, opt, sched, step_loss, ckdir, hist, wb, "add_gate", {})
     raw = acc.unwrap_model(gate)
-    held = added_gate_eval(model, raw, val, val_mask, a.teacher, policy, a.margin, a.batch)
+    held = added_gate_eval(model, raw, val, val_mask, a.teacher, policy, a.margin, a.eval_batch, val_docs,
+                           a.precision)
     want = first_exit(held["target"], r_min).double().mean().item()
     q, _ = choose_exit_threshold(held["logits"], want, r_min, R)
-    model.exit_gate = raw.to(model.dtype)
-    model.cfg = replace(cfg, exit_gate=True, exit_criterion="learned", exit_threshold=q)
-    return {"teacher": a.teacher, **({"margin": a.margin} if policy is None else
-                                     {"teacher_threshold": policy.threshold}),
-            "r_min": r_min, "init_exit_rate": rate, "steps": a.steps, "seconds": round(time.time() - t0, 1),
-            "heldout": added_gate_report(held, q, r_min, R), "history": hist}
+    install_gate(model, raw, q)
+    added = {"teacher": a.teacher, **({"margin": a.margin} if policy is None else
+                                      {"teacher_threshold": policy.threshold}),
+             "r_min": r_min, "init_exit_rate": rate, "steps": a.steps, "seconds": round(time.time() - t0, 1),
+             "heldout": added_gate_report(held, q, r_min, R), "history": hist.records}
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in raw.state_dict().items()},
+                  str(ckdir / "gate.safetensors"))
+        done.write_text(json.dumps({"steps": a.steps, "added": added}) + "\n")  # last: the phase is complete
+    acc.wait_for_everyone()
+    acc.free_memory()  # the heads' phase prepares its own objects: its save_state / load_state see only those
+    return added
+
+
+def install_gate(model, gate: nn.Linear, threshold: float) -> None:
+    """The new gate into `model`: its exit_gate, and config exit_gate true, criterion learned at `threshold`."""
+    model.exit_gate = gate.to(model.dtype)
+    model.cfg = replace(model.cfg, exit_gate=True, exit_criterion="learned", exit_threshold=threshold)
 
 
 def write_exit_gate(gate: nn.Linear, folder: Path) -> Path:
@@ -470,7 +601,7 @@ def write_exit_gate(gate: nn.Linear, folder: Path) -> Path:
     return path
 
 
-def finish_added_gate(model, a, acc, added: dict) -> None:
+def finish_added_gate(model, a, acc, added: dict, seconds: float) -> None:
     """--add-gate without other heads: copy --model to --output, write the gate and config.json there."""
     acc.wait_for_everyone()
     if not acc.is_main_process:
@@ -478,9 +609,84 @@ def finish_added_gate(model, a, acc, added: dict) -> None:
     shutil.copytree(a.model, a.output, dirs_exist_ok=True)
     model.cfg.save(a.output / "config.json")
     write_exit_gate(model.exit_gate, a.output)
-    summary = {"model": str(a.model), "output": str(a.output), "add_gate": added}
+    summary = {"model": str(a.model), "output": str(a.output), "steps": a.steps, "seconds": round(seconds, 1),
+               "add_gate": added}
     (a.output / "distill_gate.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"output": str(a.output), "add_gate": added["heldout"]}, indent=1))
+
+
+# ---------------------------------------------------------------- training, checkpoints
+def draw(data, a, seed: list[int], device):
+    """One batch of windows [B, T+1] with its loss mask and documents (None where there are none)."""
+    w = data.batch(a.batch, a.ctx, seed).to(device)
+    m, d = data.batch_mask(a.batch, a.ctx, seed), data.batch_doc(a.batch, a.ctx, seed)
+    return w, None if m is None else m.to(device), None if d is None else d.to(device)
+
+
+KEEP = 2  # checkpoints kept per phase
+
+
+def latest_ckpt(ckdir: Path, meta: dict) -> Path | None:
+    """The newest complete checkpoint (meta.json is written last) whose meta.json matches `meta`."""
+    cks = []
+    for c in ckdir.glob("step_*"):
+        if (c / "meta.json").exists():
+            m = json.loads((c / "meta.json").read_text())
+            if all(m.get(k) == v for k, v in meta.items()):
+                cks.append((m["step"], c))
+    return max(cks)[1] if cks else None
+
+
+def save_ckpt(acc, ckdir: Path, step: int, meta: dict) -> None:
+    """accelerate's save_state (the trained module, optimizer, scheduler, RNG) into ckdir/step_XXXXXX;
+    meta.json last marks it complete; the older ones beyond the last KEEP go."""
+    d = ckdir / f"step_{step:06d}"
+    acc.save_state(str(d))
+    if acc.is_main_process:
+        (d / "meta.json").write_text(json.dumps({"step": step, **meta}) + "\n")
+        cks = sorted(ckdir.glob("step_*"), key=lambda c: int(c.name.split("_")[1]))
+        for old in cks[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+
+
+def train_loop(a, acc, module, opt, sched, step_loss, ckdir: Path, hist: History, wb, phase: str, meta: dict) -> None:
+    """One phase's steps: from its latest checkpoint in `ckdir` matching `meta` (else step 0) to
+    --steps. `step_loss(step)` -> {"loss": to minimise, name: tensor logged}. A record every
+    --log-every steps (and the last) to `hist` (OUTPUT's JSON log) and wandb; a checkpoint every
+    --save-every steps and at the last."""
+    step = 0
+    ck = latest_ckpt(ckdir, meta)
+    if ck is not None:
+        acc.load_state(str(ck))
+        step = json.loads((ck / "meta.json").read_text())["step"]
+        acc.print(f"{phase}: resumed from {ck} at step {step}")
+    hist.truncate(step)  # a resumed run replays the steps after its checkpoint; a new one starts empty
+    t0, logs, tokens, train_s = time.time(), [], 0, 0.0
+    while step < a.steps:
+        t_step = time.perf_counter()
+        parts = step_loss(step)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(parts["loss"])
+        acc.clip_grad_norm_(module.parameters(), a.clip)
+        opt.step()
+        sched.step()
+        logs.append({k: float(v.detach()) for k, v in parts.items() if k != "loss"})
+        train_s += time.perf_counter() - t_step
+        tokens += a.batch * a.ctx * acc.num_processes
+        step += 1
+        if step % a.log_every == 0 or step == a.steps:
+            rec = {"step": step, **{k: sum(x[k] for x in logs) / len(logs) for k in logs[0]},
+                   "lr": sched.get_last_lr()[0], "time_s": round(time.time() - t0, 1),
+                   "tokens_per_s": round(tokens / max(train_s, 1e-9), 1)}
+            logs, tokens, train_s = [], 0, 0.0
+            if acc.is_main_process:
+                hist.log(rec)
+                if wb is not None:
+                    wb.log({f"{phase}/{k}": v for k, v in rec.items()})
+            acc.print(json.dumps(rec))
+        if step % a.save_every == 0 or step == a.steps:
+            save_ckpt(acc, ckdir, step, meta)
 
 
 # ---------------------------------------------------------------- run
@@ -489,7 +695,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, required=True,
                    help="HF-format looped-LM folder with a stock exit gate (without one: --add-gate)")
     p.add_argument("--output", type=Path, default=None,
-                   help="default: --model (the heads are added to it); --add-gate needs a new folder")
+                   help="required: a new folder (or this command's own, to resume it) that gets a copy of --model "
+                        "with the heads, the checkpoints, logs and run.json; never --model or a folder inside it")
     p.add_argument("--gates", choices=sorted(GATES), default=None,
                    help="the distilled heads (default: both; with --add-gate: none, else distilled from the new gate)")
     p.add_argument("--add-gate", action="store_true",
@@ -513,25 +720,33 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--epsilon", type=float, default=0.1,
                    help="--objective oracle: nats of next-token loss an exit after step s+1 may cost against full "
                         "depth and still count as 'exit' (larger: more early exits at a given threshold)")
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (per phase); may grow on a resume")
     p.add_argument("--batch", type=int, default=8, help="windows per step and process")
-    p.add_argument("--ctx", type=int, default=128)
+    p.add_argument("--ctx", type=int, default=4096,
+                   help="tokens per window (the authors' 4,096), clamped to the model's max_position")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=500, help="linear warm-up steps (the authors' 500)")
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help="the cosine schedule's floor")
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto",
+                   help="the frozen model's passes under bf16 autocast (auto: bf16 on CUDA, no on CPU); the heads "
+                        "and their optimizer stay float32")
     p.add_argument("--thresholds", type=float, nargs="+", default=None,
                    help="agreement thresholds (default: 0.3 0.5 0.7 and the checkpoint's)")
     p.add_argument("--eval-windows", type=int, default=32)
-    p.add_argument("--dataset", default=None, help="a datasets source (see train/datasource.py)")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--heldout-frac", type=float, default=0.1)
+    p.add_argument("--eval-batch", type=int, default=1,
+                   help="held-out windows per evaluation pass (streamed: sums and counts accumulated)")
+    add_dataset_args(p)  # --dataset and its format, loss and packing options (train/datasource.py)
     p.add_argument("--tokens", type=Path, help=".npy token ids (default: the built corpus)")
     p.add_argument("--heldout-tokens", type=Path)
     p.add_argument("--loss-mask", type=Path, help=".npy aligned with --tokens: nonzero where a token counts")
     p.add_argument("--heldout-loss-mask", type=Path)
     p.add_argument("--tokenizer", type=Path, default=None)
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=500,
+                   help="checkpoint (heads, optimizer, scheduler) every N steps and at the end; the last 2 kept; "
+                        "the same command again resumes from the latest")
+    p.add_argument("--no-wandb", action="store_true", help="no wandb run (default: offline, in OUTPUT/wandb)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
@@ -546,19 +761,57 @@ def lr_scale(step: int, a) -> float:
     return a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
 
 
+def check_args(a) -> None:
+    """Bad numbers and a missing / wrong --output, before anything is loaded or created (one line each)."""
+    if a.output is None:
+        raise UserError("train/distill_gate.py needs --output (a new folder: --model is never written)")
+    if a.model.exists():  # never written: --output is neither --model nor inside it (an HF snapshot's symlinks too)
+        out, src = a.output.resolve(), a.model.resolve()
+        if out == src or src in out.parents:
+            raise UserError(f"--output {a.output} is {'--model' if out == src else 'inside --model'} ({a.model}): "
+                            "--model is never written; pass another folder")
+    for name in ("steps", "batch", "ctx", "eval_batch", "save_every", "log_every"):
+        if getattr(a, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(a, name)}: at least 1")
+    if a.warmup < 0:
+        raise UserError(f"--warmup {a.warmup}: at least 0")
+
+
+def identity(a, tok_dir: Path, world_size: int) -> dict:
+    """What makes two launches the same run (a resume must match; --steps may grow; --thresholds,
+    --eval-batch, --log-every, --save-every and the logging may change)."""
+    cfg = Path(a.model) / "config.json"
+    data = ({"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac, **dataset_kwargs(a)}
+            if a.dataset else {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens),
+                               "loss_mask": str(a.loss_mask), "heldout_loss_mask": str(a.heldout_loss_mask)}
+            if a.tokens else {"corpus": str(tok_dir)})
+    keys = ("gates", "add_gate", "teacher", "margin", "teacher_threshold", "objective", "epsilon", "batch", "ctx",
+            "lr", "warmup", "min_lr_ratio", "clip", "precision", "eval_windows", "seed")
+    return {"model": str(Path(a.model).resolve()),
+            "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16],
+            **{k: getattr(a, k) for k in keys}, "tokenizer": str(tok_dir), "data": data, "world_size": world_size}
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     a.gates = a.gates or ("none" if a.add_gate else "both")
     if a.add_gate:
         a.teacher = a.teacher or "loss"
     check_model_arg(a.model)
+    check_args(a)
     cli.die_with_launcher()
     if a.threads:
         torch.set_num_threads(a.threads)
     from accelerate import Accelerator
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    a.precision = ("bf16" if cuda else "no") if a.mixed_precision == "auto" else a.mixed_precision
+    # accelerate's own mixed precision stays off: it would autocast the heads too (they stay float32;
+    # the frozen model's autocast is frozen_autocast's). The schedule is stepped once per optimizer step
+    # (accelerate's would step once per process).
+    acc = Accelerator(cpu=not cuda, mixed_precision="no", step_scheduler_with_optimizer=False)
     cli.check_launch(acc, "train/distill_gate.py")
-    cli.banner(acc, "train/distill_gate.py", f"gates={a.gates}" + (f" add_gate teacher={a.teacher}" if a.add_gate else ""))
+    cli.banner(acc, "train/distill_gate.py", f"gates={a.gates} frozen_model_autocast={a.precision}"
+               + (f" add_gate teacher={a.teacher}" if a.add_gate else ""))
     model = load_pretrained(a.model, dtype="float32", device=acc.device)
     cfg = model.cfg
     if a.add_gate:
@@ -578,20 +831,50 @@ def main(argv=None) -> None:
                         f"{cfg.r_max}")
     for p_ in model.parameters():
         p_.requires_grad_(False)
-    names = GATES[a.gates]
-    tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
     a.ctx = min(a.ctx, cfg.max_position)
+    tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
+    ident = identity(a, tok_dir, acc.num_processes)
+    summary_file = a.output / "distill_gate.json"
+    if (a.output / "run.json").exists():
+        cli.claim_output(a.output, ident, False)  # raises on another model / config
+        if summary_file.exists() and json.loads(summary_file.read_text()).get("steps", 0) >= a.steps:
+            acc.print(f"already finished: {a.output} holds this finished run ({a.steps} steps, distill_gate.json); "
+                      "pass a new --output (or a larger --steps to continue it)")
+            return
+    elif a.output.exists() and any(a.output.iterdir()):
+        raise UserError(f"--output {a.output} exists and is not empty (and holds no run of this script: run.json)")
+    created = not a.output.exists()
+    acc.wait_for_everyone()
+    try:
+        cli.claim_output(a.output, ident, acc.is_main_process)
+        acc.wait_for_everyone()
+        run(a, acc, model, teacher, tok_dir)
+    except BaseException:
+        if acc.is_main_process:
+            cli.remove_if_unused(a.output, created)
+        raise
+
+
+def run(a, acc, model, teacher: str, tok_dir: Path) -> None:
+    t0 = time.time()
     data = load_data(a, tok_dir, acc)
-    if int(data.train.max()) >= cfg.vocab_size:
+    if int(data.train.max()) >= model.cfg.vocab_size:
         raise UserError(f"the training tokens reach id {int(data.train.max())} but the model's vocabulary has "
-                        f"{cfg.vocab_size} (another tokenizer? pass --tokenizer)")
+                        f"{model.cfg.vocab_size} (another tokenizer? pass --tokenizer)")
     val, val_mask = data.eval(a.ctx, a.eval_windows), data.eval_mask(a.ctx, a.eval_windows)
+    val_docs = data.eval_doc(a.ctx, a.eval_windows)
+    wb = init_wandb(a.output, "looplm-distill-gate", vars(a) | {"world_size": acc.num_processes},
+                    enabled=not a.no_wandb and acc.is_main_process)
+    names = GATES[a.gates]
     added = None
     if a.add_gate:
-        added = train_added_gate(model, a, data, val, val_mask, acc)
-        cfg = model.cfg
+        added = train_added_gate(model, a, data, val, val_mask, val_docs, acc, wb)
         if not names:
-            return finish_added_gate(model, a, acc, added)
+            finish_added_gate(model, a, acc, added, time.time() - t0)
+            if wb is not None:
+                wb.finish()
+            return
+    cfg = model.cfg
     torch.manual_seed(a.seed)
     heads = nn.ModuleDict()
     if "lookahead" in names:
@@ -605,44 +888,25 @@ def main(argv=None) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_scale(s, a))
     heads, opt, sched = acc.prepare(heads, opt, sched)
     raw = acc.unwrap_model(heads)
-    before = agreement(model, teacher, {}, val.to(acc.device), val_mask, thresholds) if acc.is_main_process else None
-    t0, logs, hist = time.time(), [], []
-    for step in range(a.steps):
-        seed = [a.seed, step, acc.process_index]
-        ids = data.batch(a.batch, a.ctx, seed).to(acc.device)
-        bmask = data.batch_mask(a.batch, a.ctx, seed)
-        mask = None if bmask is None else bmask[:, 1:].to(acc.device)  # the targets' mask: the inputs are ids[:, :-1]
-        oracle = a.objective == "oracle" and "lookahead" in names
-        feats, hazards, pre, nll = features(model, ids[:, :-1], ids[:, 1:] if oracle else None)
-        parts = {}
-        if oracle:
-            parts["lookahead"] = oracle_loss(raw["lookahead"], feats, nll, mask, a.epsilon)
-        elif "lookahead" in names:
-            parts["lookahead"] = lookahead_loss(raw["lookahead"], feats, hazards, mask)
-        if "preloop" in names:
-            parts["preloop"] = preloop_loss(raw["preloop"], pre, hazards, mask)
-        loss = sum(p["loss"] for p in parts.values())
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        acc.clip_grad_norm_(heads.parameters(), a.clip)
-        opt.step()
-        sched.step()
-        logs.append({f"{g}_{k}": float(v.detach()) for g, p in parts.items() for k, v in p.items()})
-        if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
-            rec = {"step": step + 1, **{k: sum(x[k] for x in logs) / len(logs) for k in logs[0]},
-                   "time_s": round(time.time() - t0, 1)}
-            logs = []
-            hist.append(rec)
-            acc.print(json.dumps(rec))
+    hist = History(a.output / "history.json")
+
+    def step_loss(step: int) -> dict:
+        w, m, d = draw(data, a, [a.seed, step, acc.process_index], acc.device)
+        parts = heads_loss(model, raw, names, w, m, d, a.objective, a.epsilon, a.precision)
+        return {"loss": parts.pop("loss"), **{f"{g}_{k}": v for g, p in parts.items() for k, v in p.items()}}
+
+    # the heads' checkpoints belong to the gate they were distilled from (a longer --add-gate run: anew)
+    train_loop(a, acc, heads, opt, sched, step_loss, a.output / "checkpoints", hist, wb, "heads",
+               {"gate_steps": a.steps if a.add_gate else None})
     acc.wait_for_everyone()
     if not acc.is_main_process:
         return
-    out = a.output or a.model
-    if out.resolve() != a.model.resolve():
-        if out.exists() and any(out.iterdir()):
-            raise UserError(f"--output {out} exists and is not empty")
-        shutil.copytree(a.model, out, dirs_exist_ok=True)
-    after = agreement(model, teacher, dict(raw.items()), val.to(acc.device), val_mask, thresholds)
+    out = a.output
+    shutil.copytree(a.model, out, dirs_exist_ok=True)
+    after = agreement(model, teacher, dict(raw.items()), val, val_mask, thresholds, val_docs, a.eval_batch, a.precision)
+    # before: the teacher and the stock gate read late, which the heads do not change (one pass for both)
+    before = {"tokens": after["tokens"], "thresholds": [{k: v for k, v in row.items() if k not in names and
+                                                         k not in ("lookahead_head",)} for row in after["thresholds"]]}
     for name in names:
         setattr(model, f"{name}_exit_gate", raw[name].to(next(model.parameters()).dtype))
     model.cfg = replace(cfg, lookahead_gate=cfg.lookahead_gate or "lookahead" in names,
@@ -652,10 +916,15 @@ def main(argv=None) -> None:
         write_exit_gate(model.exit_gate, out)
     summary = {"model": str(a.model), "output": str(out), "teacher": teacher, "gates": list(names),
                "objective": a.objective, **({"epsilon": a.epsilon} if a.objective == "oracle" else {}),
-               "steps": a.steps, "batch": a.batch, "ctx": a.ctx, "lr": a.lr, "seconds": round(time.time() - t0, 1),
+               "steps": a.steps, "batch": a.batch, "ctx": a.ctx, "lr": a.lr, "warmup": a.warmup,
+               "mixed_precision": a.precision, "seconds": round(time.time() - t0, 1),
                "world_size": acc.num_processes, "data": {k: v for k, v in data.meta.items() if k != "key"},
-               "before": before, "after": after, "history": hist, **({"add_gate": added} if added else {})}
+               "before": before, "after": after, "history": hist.records, **({"add_gate": added} if added else {})}
     (out / "distill_gate.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if wb is not None:
+        wb.log({f"agreement/{r['threshold']}/{name}/{k}": v for r in after["thresholds"] for name, c in r.items()
+                if isinstance(c, dict) for k, v in c.items()})
+        wb.finish()
     print(json.dumps({"output": str(out), "seconds": summary["seconds"], "agreement": after}, indent=1))
 
 
