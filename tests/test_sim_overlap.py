@@ -126,3 +126,18 @@ def test_host_table_with_reentry():
     assert both.resolve(Stage.CODA, 40) == pytest.approx(10e-6) and both.resolve(Stage.FUSED, 40) == 0.0
     only = HostCost(sync)
     assert only(Stage.CODA, 64, reentry=True) == pytest.approx(40e-6) and only.resolve(Stage.CODA, 64) == 0.0
+
+
+def test_a_model_without_a_gate_head_simulates_with_its_own_criterion():
+    """A gateless model (Huginn-3.5B's release, a gate-stripped folder; issue 59) runs in the
+    simulator: the engine's stand-in criterion gets its gate head there, the runner still charges
+    the model's own criterion (kl) and the exits are the recorded ones."""
+    from looplm.config import replace
+    from infer.sim.runner import SimModel
+    cfg = replace(paper_config("huginn-3.5b"), exit_gate=False, exit_criterion="kl", exit_threshold=1e-3)
+    assert SimModel(cfg).cfg.exit_gate and SimModel(cfg).cfg.exit_criterion == "kl"
+    reqs = [Request([3 + i] * (4 + i), 5 + i % 4, 4 + i, 5 + i % 4) for i in range(4)]
+    depths = depths_from_distribution(binomial_depths(cfg.r_max, 9.0), reqs, seed=0)
+    out = simulate_mode(cfg, reqs, {"name": "m", "policy": "cdb", "refill": True, "min_coda_batch": 1},
+                        ConstCost(1e-4, 6e-5, 2e-5), depths, overlap=True, kv_cache_tokens=1 << 16, max_batch_size=4)
+    assert out["exit_depths"] and out["seconds"] > 0

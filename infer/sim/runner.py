@@ -19,7 +19,7 @@ from infer.engine.spec_plan import SpecPlan, spec_row
 from infer.engine.trace import TraceRow, trace_row
 from infer.engine.speculative import SpecOut
 from kv_layouts import layout_class
-from looplm.config import LoopConfig
+from looplm.config import LoopConfig, replace
 
 from .cost import Call
 from .dispatch import LaunchOps, real_criterion
@@ -57,7 +57,12 @@ class SimModel:
     """What LLMEngine reads from a model: its config, dtype and device."""
 
     def __init__(self, cfg: LoopConfig, dtype: torch.dtype = torch.bfloat16):
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device("cpu")
+        # the engine runs SIM_EXITS' stand-in criterion ("learned", answered by SimRunner), which it
+        # accepts only on a model with a gate head: a model that ships none (Huginn-3.5B's release, a
+        # gate-stripped folder) gets one here; the cost model still charges its own criterion
+        # (dispatch.real_criterion reads the model's exit_criterion, not this head)
+        self.cfg = cfg if cfg.exit_gate else replace(cfg, exit_gate=True)
+        self.dtype, self.device = dtype, torch.device("cpu")
 
 
 class _Scores:
