@@ -193,3 +193,30 @@ def test_non_empty_output_without_a_run_is_refused(work):
     (work / "busy" / "file").write_text("x")
     with pytest.raises(UserError, match="not empty"):
         main(args(work, "busy", 2))
+
+
+@pytest.mark.parametrize("teacher", ["kl", "loss"])
+def test_frozen_batch_gives_the_same_loss(teacher):
+    """--frozen-batch: the frozen passes k windows at a time give the loss and gradient of one pass."""
+    m = fresh_model("huginn-tiny", exit_gate=True)
+    g = torch.Generator().manual_seed(23)
+    windows = torch.randint(1, 256, (5, 12), generator=g)
+    mask = torch.rand(5, 12, generator=g) < 0.8
+    heads = heads_for(m, ("lookahead", "preloop"))
+    gate = init_added_gate(m.cfg.hidden_size, 0.3).double()
+    policy = teacher_policy(m.cfg, teacher, None)
+    for module, run in ((heads, lambda k: flat(heads_loss(m, heads, ("lookahead", "preloop"), windows, mask, None,
+                                                          "oracle", 0.1, frozen_batch=k))),
+                        (gate, lambda k: added_gate_step_loss(m, gate, windows, mask, None, teacher, policy, 0.1,
+                                                              m.cfg.r_min, frozen_batch=k))):
+        got = {}
+        for k in (None, 1, 2):
+            module.zero_grad()
+            out = run(k)
+            out["loss"].backward()
+            got[k] = ({n: float(v.detach()) for n, v in out.items()}, [p.grad.clone() for p in module.parameters()])
+        for k in (1, 2):
+            for n, v in got[None][0].items():
+                assert abs(got[k][0][n] - v) < TOL, (k, n)
+            for a, b in zip(got[k][1], got[None][1]):
+                assert (a - b).abs().max() < TOL

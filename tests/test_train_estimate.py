@@ -73,3 +73,47 @@ def test_bad_input_is_one_line(args, words):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], p.stderr
+
+
+def narrow_huginn(**kw):
+    """Huginn-3.5B's structure (prelude / core / coda, no gate: what --add-gate starts from) at a test's width."""
+    cfg = estimate.model_config("huginn-3.5b")
+    return replace(cfg, hidden_size=64, intermediate_size=176, num_heads=1, num_kv_heads=1, head_dim=64,
+                   vocab_size=512, n_prelude=1, n_core=1, n_coda=1, r_max=4, exit_gate=False, exit_criterion="kl", **kw)
+
+
+@pytest.mark.parametrize("arch,phase,kw,autocast", [
+    ("ouro", "heads", {"gates": "both"}, False),
+    ("ouro", "heads", {"gates": "lookahead", "objective": "oracle"}, True),
+    ("huginn", "add_gate", {"teacher": "kl"}, False),
+    ("huginn", "add_gate", {"teacher": "loss"}, True),
+])
+def test_distill_fake_peak_matches_a_real_run(arch, phase, kw, autocast):
+    """--script distill: train/distill_gate.py's step (frozen no-grad pass, bf16 autocast or not, the
+    heads' loss, backward, AdamW) on fake tensors vs the same step on real ones, both under the tracker."""
+    print(f"seed {SEED}, {arch} {phase} {kw} autocast {autocast}")
+    torch.manual_seed(SEED)
+    cfg = narrow_ouro() if arch == "ouro" else narrow_huginn()
+    fake = estimate.run_distill_step(cfg, 128, 2, phase, autocast=autocast, fake=True, **kw)
+    real = estimate.run_distill_step(cfg, 128, 2, phase, autocast=autocast, fake=False, seed=SEED, **kw)
+    assert real["loss_finite"]
+    ratio = fake["peak"] / real["peak"]
+    print(f"estimated {fake['peak']} B, measured {real['peak']} B, ratio {ratio:.4f}")
+    assert 0.9 <= ratio <= 1.1
+    for k in estimate.CATEGORIES:  # the same storages in every category, not only the same total
+        assert fake[k] == pytest.approx(real[k], rel=0.1, abs=4096), k
+    # the frozen model's weights and the heads' AdamW state (2 x the heads) are counted, no model gradient
+    assert real["parameters"] > 0 and real["optimizer_state"] > 0 and real["gradients"] < real["parameters"] / 100
+    assert fake["flops"] > 0 and fake["roofline_s"] > 0
+
+
+def test_distill_json(capsys):
+    estimate.main(["--script", "distill", "--model", "huginn-tiny", "--ctx", "32", "--batch", "2", "--add-gate",
+                   "--teacher", "kl", "--gates", "lookahead", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["script"] == "distill" and [p["phase"] for p in r["phases"]] == ["add_gate", "heads"]
+    assert r["peak_bytes"] == max(p["peak_bytes"] for p in r["phases"])
+    for p in r["phases"]:
+        assert p["tokens_per_s"] > 0 and p["trainable_params"] > 0
+    with pytest.raises(estimate.UserError, match="Ouro"):
+        estimate.main(["--script", "distill", "--model", "ouro-tiny", "--ctx", "32", "--add-gate"])

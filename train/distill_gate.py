@@ -212,17 +212,38 @@ def preloop_loss(head: nn.Linear, pre: torch.Tensor, hazards: torch.Tensor, mask
     return {"loss": kl + cdf, "kl": kl, "cdf_mae": cdf}
 
 
+def in_slices(fn, B: int, k: int | None, dims: tuple[int, ...]) -> tuple:
+    """fn(i, j) -> tensors (or None) for windows i..j-1, run `k` windows at a time and written into
+    tensors of all B windows along their batch dims `dims`: the values of one call over all B (the
+    frozen passes are per window), with the transients (a step's logits, a kl teacher's float64
+    log-probs) of k windows only."""
+    if k is None or k >= B:
+        return fn(0, B)
+    out = None
+    for i in range(0, B, k):
+        part = fn(i, min(i + k, B))
+        if out is None:  # preallocated: no second copy of the features from a concatenation
+            out = [None if t is None else t.new_empty(t.shape[:d] + (B,) + t.shape[d + 1:]) for t, d in zip(part, dims)]
+        for o, t, d in zip(out, part, dims):
+            if t is not None:
+                o.narrow(d, i, t.shape[d]).copy_(t)
+    return tuple(out)
+
+
 def heads_loss(model, heads, names, windows: torch.Tensor, mask, docs, objective: str = "teacher",
-               epsilon: float = 0.1, precision: str = "no") -> dict:
+               epsilon: float = 0.1, precision: str = "no", frozen_batch: int | None = None) -> dict:
     """The distilled heads' loss on windows [B, T+1] (inputs windows[:, :-1], targets windows[:, 1:]):
-    the frozen model's feature pass (no grad; bf16 autocast with `precision` bf16), then the heads
-    in float32. `mask` / `docs`: the windows' loss mask and documents [B, T+1] (or None). Returns
-    {head: its loss parts} and "loss", their sum."""
+    the frozen model's feature pass (no grad; bf16 autocast with `precision` bf16; `frozen_batch`
+    windows at a time), then the heads in float32. `mask` / `docs`: the windows' loss mask and
+    documents [B, T+1] (or None). Returns {head: its loss parts} and "loss", their sum."""
     targets_mask = None if mask is None else mask[:, 1:]  # the targets' mask: the inputs are windows[:, :-1]
     oracle = objective == "oracle" and "lookahead" in names
-    with frozen_autocast(windows.device, precision):
-        feats, hazards, pre, nll = features(model, windows[:, :-1], windows[:, 1:] if oracle else None,
-                                            None if docs is None else docs[:, :-1])
+
+    def frozen(i: int, j: int):
+        with frozen_autocast(windows.device, precision):
+            return features(model, windows[i:j, :-1], windows[i:j, 1:] if oracle else None,
+                            None if docs is None else docs[i:j, :-1])
+    feats, hazards, pre, nll = in_slices(frozen, len(windows), frozen_batch, (1, 0, 0, 0))
     parts = {}
     if oracle:
         parts["lookahead"] = oracle_loss(heads["lookahead"], feats, nll, targets_mask, epsilon)
@@ -423,13 +444,15 @@ def added_gate_loss(gate: nn.Module, feats: torch.Tensor, target: torch.Tensor, 
 
 
 def added_gate_step_loss(model, gate, windows: torch.Tensor, mask, docs, teacher: str, policy, margin: float,
-                         r_min: int = 1, precision: str = "no") -> dict:
+                         r_min: int = 1, precision: str = "no", frozen_batch: int | None = None) -> dict:
     """The new gate's loss on windows [B, T+1]: the frozen model's pass (no grad, bf16 autocast with
-    `precision` bf16) for the teacher's targets and the gate's input, then the gate in float32.
-    `mask` / `docs`: the windows' loss mask and documents [B, T+1] (or None)."""
-    with frozen_autocast(windows.device, precision):
-        feats, target, _ = added_gate_batch(model, windows[:, :-1], windows[:, 1:], teacher, policy, margin,
-                                            None if docs is None else docs[:, :-1])
+    `precision` bf16, `frozen_batch` windows at a time) for the teacher's targets and the gate's input,
+    then the gate in float32. `mask` / `docs`: the windows' loss mask and documents [B, T+1] (or None)."""
+    def frozen(i: int, j: int):
+        with frozen_autocast(windows.device, precision):
+            return added_gate_batch(model, windows[i:j, :-1], windows[i:j, 1:], teacher, policy, margin,
+                                    None if docs is None else docs[i:j, :-1])
+    feats, target, _ = in_slices(frozen, len(windows), frozen_batch, (1, 1, 1))
     return added_gate_loss(gate, feats, target, None if mask is None else mask[:, 1:], r_min)
 
 
@@ -542,7 +565,8 @@ def train_added_gate(model, a, data, val: torch.Tensor, val_mask, val_docs, acc,
     def step_loss(step: int) -> dict:
         seed = [a.seed, 10 ** 6 + step, acc.process_index]  # other windows than the heads' loop draws
         w, m, d = draw(data, a, seed, acc.device)
-        part = added_gate_step_loss(model, gate, w, m, d, a.teacher, policy, a.margin, r_min, a.precision)
+        part = added_gate_step_loss(model, gate, w, m, d, a.teacher, policy, a.margin, r_min, a.precision,
+                                    a.frozen_batch)
         return {"loss": part["loss"], **{f"exit_gate_{k}": v for k, v in part.items()}}
 
     t0 = time.time()
@@ -724,6 +748,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="windows per step and process")
     p.add_argument("--ctx", type=int, default=4096,
                    help="tokens per window (the authors' 4,096), clamped to the model's max_position")
+    p.add_argument("--frozen-batch", type=int, default=1,
+                   help="windows per pass of the frozen model within a step (the features of the --batch windows "
+                        "are the same; the transients, e.g. a kl teacher's float64 log-probs, are of this many)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=500, help="linear warm-up steps (the authors' 500)")
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help="the cosine schedule's floor")
@@ -770,7 +797,7 @@ def check_args(a) -> None:
         if out == src or src in out.parents:
             raise UserError(f"--output {a.output} is {'--model' if out == src else 'inside --model'} ({a.model}): "
                             "--model is never written; pass another folder")
-    for name in ("steps", "batch", "ctx", "eval_batch", "save_every", "log_every"):
+    for name in ("steps", "batch", "ctx", "eval_batch", "frozen_batch", "save_every", "log_every"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(a, name)}: at least 1")
     if a.warmup < 0:
@@ -892,7 +919,7 @@ def run(a, acc, model, teacher: str, tok_dir: Path) -> None:
 
     def step_loss(step: int) -> dict:
         w, m, d = draw(data, a, [a.seed, step, acc.process_index], acc.device)
-        parts = heads_loss(model, raw, names, w, m, d, a.objective, a.epsilon, a.precision)
+        parts = heads_loss(model, raw, names, w, m, d, a.objective, a.epsilon, a.precision, a.frozen_batch)
         return {"loss": parts.pop("loss"), **{f"{g}_{k}": v for g, p in parts.items() for k, v in p.items()}}
 
     # the heads' checkpoints belong to the gate they were distilled from (a longer --add-gate run: anew)

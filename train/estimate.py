@@ -4,6 +4,12 @@
         [--backprop-depth K] [--context-grad N] [--pass1-sweeps N] [--dtype bf16] [--json]
     python -m train.estimate --check      (the estimate against a real run's measured peak, here)
     python -m train.estimate --table      (the docs' table: docs/results/train-estimate.md)
+    python -m train.estimate --script distill --model ouro-1.4b --ctx 4096 --batch 8 [--gates both]
+        [--objective teacher|oracle] [--add-gate --teacher loss|kl|latent_diff|entropy_diff]
+                                          (train/distill_gate.py's step: the frozen model's no-grad
+                                           feature pass under bf16 autocast + the heads' loss,
+                                           backward and AdamW on the heads; --add-gate: the new
+                                           gate's phase, and the heads' phase after it with --gates)
 
 Not formulas: the REAL step (`train.shared_kv.training_loss` + backward + gradient clipping + a
 foreach AdamW step, as the trainer runs it) at the REAL shape, on fake tensors (torch's
@@ -270,6 +276,134 @@ def run_step(cfg: LoopConfig, ctx: int, batch: int, options: dict, *, lora_rank:
                         for (c, op, b), n in sorted(tracker.at_peak.items(), key=lambda x: -x[0][2] * x[1])[:top]]}
 
 
+# ----------------------------------------------------------------------------- distill_gate.py's step
+def run_distill_step(cfg: LoopConfig, ctx: int, batch: int, phase: str = "heads", gates: str = "both",
+                     objective: str = "teacher", teacher: str = "loss", frozen_batch: int | None = 1,
+                     autocast: bool = True, fake: bool = True,
+                     top: int = 0, peak_flops: float = 989e12, hbm_bw: float = 3.35e12, seed: int = 0) -> dict:
+    """One optimizer step of train/distill_gate.py under the tracker, its own functions: `phase`
+    "heads" (heads_loss: the lookahead / preloop heads of `gates` distilled with `objective` from the
+    stock gate) or "add_gate" (added_gate_step_loss: a new exit gate against `teacher`; cfg without a
+    gate). The frozen model (float32 weights, no grad) runs under bf16 autocast with `autocast`, the
+    heads and their AdamW in float32; + clip_grad_norm_ + the AdamW step. The same keys as run_step."""
+    from train.distill_gate import GATES, added_gate_step_loss, heads_loss, init_added_gate, teacher_policy
+    precision = "bf16" if autocast else "no"
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(seed)
+        model = build(cfg).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if phase == "add_gate":
+            heads = init_added_gate(cfg.hidden_size, 0.3)
+            policy = teacher_policy(cfg, teacher, None)
+
+            def loss_fn(ids):
+                return added_gate_step_loss(model, heads, ids, None, None, teacher, policy, 0.1, cfg.r_min, precision,
+                                            frozen_batch)
+        else:
+            names = GATES[gates]
+            heads = nn.ModuleDict()
+            if "lookahead" in names:
+                heads["lookahead"] = nn.Linear(cfg.hidden_size, 1)
+            if "preloop" in names:
+                heads["preloop"] = nn.Linear(cfg.hidden_size, cfg.r_max)
+
+            def loss_fn(ids):
+                return heads_loss(model, heads, names, ids, None, None, objective, 0.1, precision, frozen_batch)
+        params = list(heads.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, foreach=True)
+        for p in params:  # the state exists from the first step on (a step with zero gradients)
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(cfg.vocab_size, (batch, ctx + 1), generator=None if fake else g)
+        step = _Root(loss_fn, model, heads)
+        tracker, roof = _Peak(model, top > 0), _Roofline(peak_flops, hbm_bw)
+        tracker.track_external(step, ids, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker, _DataFree() if fake else contextlib.nullcontext(), roof:
+                loss = step(ids)["loss"]
+                loss.backward()
+                nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+                opt.step()
+        snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        return {"peak": snap[_TOTAL_KEY], **{k: snap.get(v, 0) for k, v in CATEGORIES.items()},
+                "dynamic_peak": tracker.dynamic_peak, "flops": roof.flops, "bytes_moved": roof.bytes,
+                "roofline_s": roof.seconds, "trainable_params": sum(p.numel() for p in params),
+                "params": sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in params),
+                "loss_finite": None if fake else bool(torch.isfinite(loss)),
+                "top": [{"category": c, "op": op, "bytes": b, "count": n}
+                        for (c, op, b), n in sorted(tracker.at_peak.items(), key=lambda x: -x[0][2] * x[1])[:top]]}
+
+
+class _Root(nn.Module):
+    """One root module around a step function (as Step): the tracker sees the looped blocks called
+    inside one root call, not a block's second iteration."""
+
+    def __init__(self, fn, model: nn.Module, heads: nn.Module):
+        super().__init__()
+        self.fn, self.model, self.heads = fn, model, heads
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        return self.fn(ids)
+
+
+def estimate_distill(a: argparse.Namespace) -> dict:
+    """--script distill: one GPU, each phase of the run (--add-gate's, then the heads' with --gates)."""
+    if a.ctx <= 0 or a.batch <= 0 or a.frozen_batch <= 0:
+        raise UserError(f"--ctx, --batch and --frozen-batch must be positive (got {a.ctx}, {a.batch}, {a.frozen_batch})")
+    if a.gpus != 1 or a.fsdp or a.lora:
+        raise UserError("--script distill: one GPU, no --fsdp / --lora (only the heads train; launch more "
+                        "processes for more windows per step)")
+    cfg = model_config(a.model, a.r_max)
+    ctx = min(a.ctx, cfg.max_position)  # as distill_gate.py clamps --ctx
+    gates = a.gates or ("none" if a.add_gate else "both")
+    phases = []
+    if a.add_gate:
+        if cfg.arch == "ouro":
+            raise UserError(f"--add-gate: {a.model} is an Ouro model, whose gate is part of the architecture")
+        cfg = replace(cfg, exit_gate=False, exit_criterion=a.teacher if a.teacher != "loss" else "kl")
+        phases.append(("add_gate", cfg))
+        cfg = replace(cfg, exit_gate=True, exit_criterion="learned")  # the heads' phase: the new gate is the teacher
+    if gates != "none":
+        if cfg.arch == "huginn" and not cfg.exit_gate:
+            raise UserError(f"{a.model} has no exit gate to distil from: --add-gate")
+        phases.append(("heads", cfg))
+    if not phases:
+        raise UserError("--gates none trains nothing without --add-gate")
+    t0, out = time.perf_counter(), []
+    for phase, c in phases:
+        m = run_distill_step(c, ctx, a.batch, phase, gates, a.objective, a.teacher, a.frozen_batch,
+                             autocast=a.dtype == "bf16",
+                             top=a.top, peak_flops=a.peak_flops, hbm_bw=a.hbm_bw)
+        step_s = m["roofline_s"] / a.mfu
+        out.append({"phase": phase, **({"teacher": a.teacher} if phase == "add_gate" else
+                                       {"gates": gates, "objective": a.objective}),
+                    "peak_bytes": int(m["peak"]), "bytes": {k: int(m[k]) for k in CATEGORIES},
+                    "fits": m["peak"] <= a.gpu_gb * GB, "trainable_params": m["trainable_params"],
+                    "flops_per_token": m["flops"] / (a.batch * ctx), "step_s": step_s,
+                    "tokens_per_s": a.batch * ctx / step_s, "top_at_peak": m["top"]})
+    worst = max(out, key=lambda x: x["peak_bytes"])
+    return {"script": "distill", "model": a.model, "ctx": ctx, "batch": a.batch, "frozen_batch": a.frozen_batch,
+            "gpus": 1, "r_max": cfg.r_max,
+            "dtype": a.dtype, "peak_bytes": worst["peak_bytes"], "fits_gb": a.gpu_gb, "fits": worst["fits"],
+            "phases": out, "params": cfg_params(cfg),
+            "method": f"fake-tensor run of train/distill_gate.py's step (frozen model no-grad "
+                      f"{'under bf16 autocast' if a.dtype == 'bf16' else 'in fp32'}, float32 heads + backward + "
+                      f"clip + AdamW) under MemTracker; per-op roofline ({a.peak_flops:.3g} FLOP/s bf16, "
+                      f"{a.hbm_bw:.3g} B/s) / mfu {a.mfu}",
+            "not_modelled": "packed documents' [B, 1, T, T] bool attention mask (B*T*T bytes), the held-out "
+                            "evaluation (streamed, --eval-batch windows), CUDA allocator fragmentation and context",
+            "estimate_s": round(time.perf_counter() - t0, 1)}
+
+
+def cfg_params(cfg: LoopConfig) -> int:
+    with FakeTensorMode():
+        return sum(p.numel() for p in build(cfg).parameters())
+
+
 # ----------------------------------------------------------------------------- the estimate
 def estimate(a: argparse.Namespace) -> dict:
     """The estimate for one setting (the parsed arguments): the JSON object --json prints."""
@@ -368,9 +502,19 @@ def table(argv_common: list[str], rows: list[str] | None = None, ctxs: tuple[int
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--script", choices=("shared_kv", "distill"), default="shared_kv",
+                   help="the step estimated: train/shared_kv.py's training step, or train/distill_gate.py's")
     p.add_argument("--model", default="ouro-1.4b", help="a preset (looplm/presets.py) or an HF folder with config.json")
-    p.add_argument("--ctx", type=int, default=16384, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences per GPU")
+    p.add_argument("--ctx", type=int, default=None, help="tokens per sequence (default 16384; distill: 4096, "
+                   "clamped to the model's max_position as distill_gate.py does)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per GPU (default 1; distill: 8, its default)")
+    p.add_argument("--gates", choices=("both", "lookahead", "preloop", "none"), default=None,
+                   help="distill: the heads (distill_gate.py --gates; default both, none with --add-gate)")
+    p.add_argument("--objective", choices=("teacher", "oracle"), default="teacher", help="distill: --objective")
+    p.add_argument("--add-gate", action="store_true", help="distill: the new exit gate's phase (distill_gate.py --add-gate)")
+    p.add_argument("--frozen-batch", type=int, default=1, help="distill: --frozen-batch (windows per frozen pass)")
+    p.add_argument("--teacher", choices=("loss", "kl", "latent_diff", "entropy_diff"), default="loss",
+                   help="distill --add-gate: --teacher")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 full sharding (train/configs/gpu_fsdp.yaml)")
     p.add_argument("--lora", action="store_true", help="LoRA: base frozen in bf16, fp32 adapters trained")
@@ -399,11 +543,32 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--table", nargs="*", default=None, metavar="ROW",
                    help="print the docs' table (TABLE_ROWS x TABLE_CTX; only the rows whose key starts with a ROW "
                         "given: ouro, huginn, ouro-full-1, ouro-lora-1, ouro-full-8, huginn-full-8, huginn-lora-1, huginn-full-1)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    distill = a.script == "distill"
+    a.ctx = a.ctx if a.ctx is not None else 4096 if distill else 16384
+    a.batch = a.batch if a.batch is not None else 8 if distill else 1
+    return a
 
 
 def main(argv=None) -> None:
     a = parse(argv)
+    if a.script == "distill":
+        r = estimate_distill(a)
+        if a.json:
+            print(json.dumps(r))
+            return
+        print(f"train/distill_gate.py step: {r['model']} r_max {r['r_max']}, {r['ctx']} tokens x batch {r['batch']}, "
+              f"frozen model {r['dtype']} ({r['frozen_batch']} window(s) per frozen pass), one GPU")
+        for ph in r["phases"]:
+            what = f"teacher {ph['teacher']}" if ph["phase"] == "add_gate" else f"gates {ph['gates']} ({ph['objective']})"
+            print(f"  {ph['phase']} ({what}): peak {ph['peak_bytes'] / GB:.2f} GB "
+                  f"({'fits' if ph['fits'] else 'does NOT fit'} in {r['fits_gb']:g} GB); "
+                  + ", ".join(f"{k} {v / GB:.2f}" for k, v in ph["bytes"].items())
+                  + f"; {ph['flops_per_token']:.3g} FLOPs/token, step {ph['step_s']:.3f} s, {ph['tokens_per_s']:,.0f} tokens/s")
+            for t in ph["top_at_peak"]:
+                print(f"    at the peak: {t['count']:4d} x {t['bytes'] / 2**20:9.1f} MiB {t['category']:10s} made by {t['op']}")
+        print(f"method: {r['method']} ({r['estimate_s']} s here); not modelled: {r['not_modelled']}")
+        return
     if a.check:
         r = check(a.check_ctx)
         print(json.dumps(r) if a.json else
