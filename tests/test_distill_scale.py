@@ -15,6 +15,7 @@ from train.distill_gate import (added_gate_eval, added_gate_step_loss, agreement
                                 init_added_gate, main, teacher_policy)
 
 TOL = 1e-10
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def packed(lengths, seed, vocab=256):
@@ -220,3 +221,53 @@ def test_frozen_batch_gives_the_same_loss(teacher):
                 assert abs(got[k][0][n] - v) < TOL, (k, n)
             for a, b in zip(got[k][1], got[None][1]):
                 assert (a - b).abs().max() < TOL
+
+
+def test_add_gate_phase_resumes_and_the_heads_follow_the_longer_gate(tmp_path):
+    """--add-gate --gates lookahead run to 2 steps, then the same command at 4: the gate's phase resumes
+    from its checkpoint, the heads distilled from the 2-step gate start anew; the result equals a
+    straight 4-step run. wandb (offline) runs unless --no-wandb."""
+    from safetensors.torch import load_file
+    m = fresh_model("huginn-tiny", seed=2, dtype=torch.float32, exit_gate=False, exit_criterion="kl", exit_threshold=1e-3)
+    save_pretrained(m, tmp_path / "ck")
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "train.npy", rng.integers(1, m.cfg.vocab_size, 3000).astype(np.int32))
+    np.save(tmp_path / "held.npy", rng.integers(1, m.cfg.vocab_size, 600).astype(np.int32))
+
+    def run(out, steps, *extra):
+        main(["--model", str(tmp_path / "ck"), "--output", str(tmp_path / out), "--steps", str(steps), "--batch", "2",
+              "--ctx", "16", "--warmup", "50", "--lr", "1e-2", "--log-every", "1", "--save-every", "1",
+              "--eval-windows", "3", "--tokens", str(tmp_path / "train.npy"), "--heldout-tokens",
+              str(tmp_path / "held.npy"), "--thresholds", "0.5", "--add-gate", "--teacher", "kl",
+              "--gates", "lookahead", *extra])
+    run("straight", 4, "--no-wandb")
+    run("grown", 2)
+    assert json.loads((tmp_path / "grown" / "checkpoints" / "add_gate" / "done.json").read_text())["steps"] == 2
+    run("grown", 4)
+    # init_wandb ran (its run id kept in OUTPUT; tests/conftest.py puts wandb's files elsewhere); not with --no-wandb
+    assert (tmp_path / "grown" / "wandb_id").exists() and not (tmp_path / "straight" / "wandb_id").exists()
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "grown" / "model.safetensors"))
+    assert torch.equal(a["exit_gate.weight"], b["exit_gate.weight"])
+    for k, v in heads_of(tmp_path / "straight").items():
+        assert torch.equal(v, heads_of(tmp_path / "grown")[k]), k
+    rep = json.loads((tmp_path / "grown" / "distill_gate.json").read_text())
+    assert [r["step"] for r in rep["history"]] == [1, 2, 3, 4]
+    assert [r["step"] for r in rep["add_gate"]["history"]] == [1, 2, 3, 4]
+    metas = [json.loads((c / "meta.json").read_text()) for c in (tmp_path / "grown" / "checkpoints").glob("step_*")]
+    assert sorted(x["step"] for x in metas) == [3, 4] and {x["gate_steps"] for x in metas} == {4}
+
+
+@pytest.mark.skipif(not (REPO / "checkpoints" / "ouro-demo" / "tokenizer.json").exists(), reason="no ouro-demo")
+def test_chat_dataset_run(tmp_path):
+    """--dataset (train/datasource.py's options): a chat JSONL, packed, assistant-only, distilled on ouro-demo."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i}?"},
+                          {"role": "assistant", "content": f"answer {i} " * (1 + i % 4)}]} for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["--model", str(REPO / "checkpoints" / "ouro-demo"), "--output", str(tmp_path / "out"), "--dataset",
+          str(tmp_path / "chat.jsonl"), "--heldout-frac", "0.2", "--steps", "2", "--batch", "2", "--ctx", "64",
+          "--eval-windows", "2", "--thresholds", "0.5", "--log-every", "1", "--no-wandb"])
+    rep = json.loads((tmp_path / "out" / "distill_gate.json").read_text())
+    assert rep["ctx"] == 64 and rep["after"]["tokens"] > 0 and len(rep["history"]) == 2
+    ident = json.loads((tmp_path / "out" / "run.json").read_text())["identity"]
+    assert ident["data"]["assistant_only_loss"] is True and ident["data"]["packing"] is True

@@ -665,6 +665,9 @@ def save_ckpt(acc, ckdir: Path, step: int, meta: dict) -> None:
     """accelerate's save_state (the trained module, optimizer, scheduler, RNG) into ckdir/step_XXXXXX;
     meta.json last marks it complete; the older ones beyond the last KEEP go."""
     d = ckdir / f"step_{step:06d}"
+    if acc.is_main_process and d.exists():  # a stale one (a phase restarted for a longer --add-gate run)
+        shutil.rmtree(d)
+    acc.wait_for_everyone()
     acc.save_state(str(d))
     if acc.is_main_process:
         (d / "meta.json").write_text(json.dumps({"step": step, **meta}) + "\n")
@@ -932,8 +935,8 @@ def run(a, acc, model, teacher: str, tok_dir: Path) -> None:
     shutil.copytree(a.model, out, dirs_exist_ok=True)
     after = agreement(model, teacher, dict(raw.items()), val, val_mask, thresholds, val_docs, a.eval_batch, a.precision)
     # before: the teacher and the stock gate read late, which the heads do not change (one pass for both)
-    before = {"tokens": after["tokens"], "thresholds": [{k: v for k, v in row.items() if k not in names and
-                                                         k not in ("lookahead_head",)} for row in after["thresholds"]]}
+    before = {"tokens": after["tokens"], "thresholds": [{k: v for k, v in row.items() if k not in ("lookahead_head", "preloop")}
+                                                        for row in after["thresholds"]]}
     for name in names:
         setattr(model, f"{name}_exit_gate", raw[name].to(next(model.parameters()).dtype))
     model.cfg = replace(cfg, lookahead_gate=cfg.lookahead_gate or "lookahead" in names,
