@@ -817,8 +817,8 @@ def identity(a, tok_dir: Path, world_size: int) -> dict:
             if a.tokens else {"corpus": str(tok_dir)})
     keys = ("gates", "add_gate", "teacher", "margin", "teacher_threshold", "objective", "epsilon", "batch", "ctx",
             "lr", "warmup", "min_lr_ratio", "clip", "precision", "eval_windows", "seed")
-    return {"model": str(Path(a.model).resolve()),
-            "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16],
+    return {"model": str(Path(a.model).resolve()) if Path(a.model).exists() else str(a.model),  # or a hub id
+            "model_config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
             **{k: getattr(a, k) for k in keys}, "tokenizer": str(tok_dir), "data": data, "world_size": world_size}
 
 
