@@ -259,8 +259,9 @@ def test_add_gate_phase_resumes_and_the_heads_follow_the_longer_gate(tmp_path):
 
 
 @pytest.mark.skipif(not (REPO / "checkpoints" / "ouro-demo" / "tokenizer.json").exists(), reason="no ouro-demo")
-def test_chat_dataset_run(tmp_path):
+def test_chat_dataset_run(tmp_path, monkeypatch):
     """--dataset (train/datasource.py's options): a chat JSONL, packed, assistant-only, distilled on ouro-demo."""
+    monkeypatch.setenv("LOOPLM_DATASETS_CACHE", str(tmp_path / "dscache"))  # not the repo's cache
     rows = [{"messages": [{"role": "user", "content": f"question {i}?"},
                           {"role": "assistant", "content": f"answer {i} " * (1 + i % 4)}]} for i in range(40)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
