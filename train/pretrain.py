@@ -330,7 +330,8 @@ def identity(a, world_size: int) -> dict:
     keys = ("arch", "hidden", "heads", "ffn", "prelude", "core", "coda", "r_max", "vocab", "ctx", "batch", "lr",
             "min_lr_frac", "warmup", "wd", "clip", "step_weights", "mean_depth", "depth_sigma", "min_depth", "bptt",
             "window_loss", "seed", "embed_std")
-    data = ({"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
+    data = ({"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac, **dataset_kwargs(a)}
+            if a.dataset else
             {"tokens": str(a.tokens)} if a.tokens else {"corpus": str(a.corpus)})
     return {**{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
 

@@ -653,7 +653,8 @@ def identity(a, tokenizer_dir: Path, world_size: int) -> dict:
     """What makes two launches the same run (a resume must match; --steps may grow)."""
     cfg = Path(a.model) / "config.json"
     data = ({"rows": str(a.rows), "heldout_rows": str(a.heldout_rows)} if a.rows else
-            {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac} if a.dataset else
+            {"dataset": a.dataset, "text_column": a.text_column, "heldout_frac": a.heldout_frac, **dataset_kwargs(a)}
+            if a.dataset else
             {"tokens": str(a.tokens), "heldout_tokens": str(a.heldout_tokens)} if a.tokens else {"corpus": str(tokenizer_dir)})
     keys = ("layout", "train", "criterion", "threshold", "r_min", "lookahead", "gate_margin", "step_loss", "pass1_sweeps",
             "context_grad", "gate_grad", "max_stale_depth", "prompt_len", "prompt_grad", "batch", "ctx", "lr", "gate_lr", "warmup", "wd", "clip", "seed", "dtype")
