@@ -92,8 +92,8 @@ def run(cmd: list[str]) -> None:
 def add_gate(out: Path, teacher: str, steps: int) -> list[str]:
     cmd = [sys.executable, "train/distill_gate.py", "--model", str(out / "stripped"), "--add-gate",
            "--teacher", teacher, "--teacher-threshold", str(TEACHERS[teacher]), "--dataset",
-           str(out / "alpaca_chat.jsonl"), "--ctx", "128", "--batch", "8", "--steps", str(steps), "--warmup", "50",
-           "--lr", "3e-3", "--eval-windows", "64", "--log-every", "100", "--seed", str(SEED), "--no-wandb",
+           str(out / "alpaca_chat.jsonl"), "--ctx", "128", "--batch", "8", "--frozen-batch", "8", "--steps", str(steps),
+           "--warmup", "50", "--lr", "3e-3", "--eval-windows", "64", "--eval-batch", "8", "--log-every", "50", "--seed", str(SEED), "--no-wandb",
            "--output", str(out / f"gate-{teacher}")]
     if not (out / f"gate-{teacher}" / "config.json").exists():
         run(cmd)
@@ -269,7 +269,7 @@ def plot(res: dict, path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "gate-study")
-    p.add_argument("--steps", type=int, default=600, help="distill_gate steps per gate")
+    p.add_argument("--steps", type=int, default=200, help="distill_gate steps per gate")
     p.add_argument("--limit", type=int, default=100, help="documents per task (of 200)")
     p.add_argument("--table", action="store_true", help="only the tables, from finished sweeps")
     a = p.parse_args(argv)
