@@ -18,8 +18,9 @@ Steps (each skipped when its output exists, so a re-run continues):
    through the engine (last_exited, r_min 1), per-document values kept (`samples`), and each point's
    H100 throughput from its own exits (`--throughput sim:h100`: the recorded exits replayed by the
    simulator on huginn-demo's shape).
-6. The tables (printed as JSON, and OUT/table.json): every point's depth, bits/byte with a 95%
-   bootstrap interval over documents, exact match and simulated H100 tokens/s; then bits/byte at
+6. The tables (printed as JSON, and OUT/table.json; the plot OUT/gate_study.png): every point's depth,
+   bits/byte with a 95% bootstrap interval over documents and its paired difference from full depth
+   (CB's documents resampled together), exact match and simulated H100 tokens/s; then bits/byte at
    matched mean depths, each method's two nearest points interpolated in depth, and the paired
    bootstrap interval (documents resampled together for every method) of each method's difference
    from kl.
@@ -202,6 +203,8 @@ def tables(out: Path, methods: dict[str, Path], iters: int = 2000) -> dict:
     idx = rng.integers(0, n_ppl, size=(iters, n_ppl))
     idx_em = rng.integers(0, n_em, size=(iters, n_em))
     points, boot = [], {}
+    cb_ll, cb_nb, _ = per_doc(cb)
+    cb_boot = bpb(cb_ll, cb_nb, idx)  # full depth on the same resamples: each point's paired difference
     for name, rows in pts.items():
         for row in sorted(rows, key=lambda r: r["mean_exit_depth"]):
             ll, nb, em = per_doc(row)
@@ -211,6 +214,8 @@ def tables(out: Path, methods: dict[str, Path], iters: int = 2000) -> dict:
             points.append({"method": name, "threshold": row["exit_threshold"], "mean_depth": round(row["mean_exit_depth"], 3),
                            "bits_per_byte": round(float(bpb(ll, nb)), 4),
                            "bpb_ci95": [round(float(x), 4) for x in np.percentile(b, [2.5, 97.5])],
+                           "minus_full_depth": round(float(bpb(ll, nb) - bpb(cb_ll, cb_nb)), 4),
+                           "minus_full_depth_ci95": [round(float(x), 4) for x in np.percentile(b - cb_boot, [2.5, 97.5])],
                            "exact_match": round(float(em.mean()), 4),
                            "em_ci95": [round(float(x), 4) for x in np.percentile(e, [2.5, 97.5])],
                            "sim_h100_tok_s": round(row["sim/output_tokens_per_s"]),
@@ -225,9 +230,11 @@ def tables(out: Path, methods: dict[str, Path], iters: int = 2000) -> dict:
             if v is None:
                 continue
             full = [p["bits_per_byte"] for p in points if p["method"] == name]
+            tok = [p["sim_h100_tok_s"] for p in points if p["method"] == name]
             vals[name] = v
             rec[name] = {"bits_per_byte": round(float(interp(depth_of[name], np.array(full), at)), 4),
-                         "ci95": [round(float(x), 4) for x in np.percentile(v, [2.5, 97.5])]}
+                         "ci95": [round(float(x), 4) for x in np.percentile(v, [2.5, 97.5])],
+                         "sim_h100_tok_s": round(float(interp(depth_of[name], np.array(tok, dtype=float), at)))}
         for name, v in vals.items():
             if name != "kl" and "kl" in vals:
                 diff = v - vals["kl"]
@@ -242,23 +249,25 @@ def tables(out: Path, methods: dict[str, Path], iters: int = 2000) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
-    """bits/byte (95% interval) against mean depth and against simulated H100 tokens/s, per method."""
+    """bits/byte above full depth's (paired 95% interval) against mean depth and against simulated H100
+    tokens/s, per method."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in dict.fromkeys(p["method"] for p in res["points"]):
         pts = sorted((p for p in res["points"] if p["method"] == name), key=lambda p: p["mean_depth"])
-        y = np.array([p["bits_per_byte"] for p in pts])
-        err = np.abs(np.array([p["bpb_ci95"] for p in pts]).T - y)
+        y = np.array([p["minus_full_depth"] for p in pts])
+        err = np.abs(np.array([p["minus_full_depth_ci95"] for p in pts]).T - y)
         for ax, x in zip(axes, ([p["mean_depth"] for p in pts], [p["sim_h100_tok_s"] for p in pts])):
             ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
     cb = res.get("cb_full_depth")
     if cb:
-        axes[0].axhline(cb["bits_per_byte"], color="gray", ls="--", lw=1, label="full depth (CB)")
-        axes[1].scatter([cb["sim_h100_tok_s"]], [cb["bits_per_byte"]], color="gray", marker="s", label="CB, full depth")
-    axes[0].set(xlabel="mean exit depth (lm-eval's scored tokens)", ylabel="looped_ppl bits/byte")
-    axes[1].set(xlabel="simulated H100 output tokens/s (each point's own exits)", ylabel="looped_ppl bits/byte")
+        axes[0].axhline(0, color="gray", ls="--", lw=1, label=f"full depth ({cb['bits_per_byte']:.4f})")
+        axes[1].scatter([cb["sim_h100_tok_s"]], [0], color="gray", marker="s", label="CB, full depth")
+    ylabel = "bits/byte minus full depth's (paired 95% CI)"
+    axes[0].set(xlabel="mean exit depth (lm-eval's scored tokens)", ylabel=ylabel)
+    axes[1].set(xlabel="simulated H100 output tokens/s (each point's own exits)", ylabel=ylabel)
     axes[0].legend(fontsize=8)
     fig.suptitle("huginn-demo: gates added (distill_gate --add-gate) vs the criteria they learned from", fontsize=10)
     fig.tight_layout()
