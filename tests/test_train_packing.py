@@ -130,3 +130,30 @@ def test_a_trailing_user_turn_changes_nothing_under_assistant_only_loss():
     c, _, _ = grads(m, lambda parts: training_loss(m, ids, pol, "shared", prompt, docs=docs, mask=counted, parts=parts))
     d, _, _ = grads(m, lambda parts: training_loss(m, other, pol, "shared", prompt, docs=docs, mask=counted, parts=parts))
     assert abs(c - d) > 1e-6
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_pretrain_loss_on_packed_documents_is_the_documents_weighted(arch):
+    """train/pretrain.py's LM loss on a packed window (documents kept apart, a loss mask) equals the
+    documents' losses alone, weighted by their counted targets; the gradient likewise. (Sampled
+    depth pinned to r_max: both sides run the same loop count.)"""
+    from train.pretrain import lm_loss, parse
+    m = fresh_model(f"{arch}-tiny")
+    r = m.cfg.r_max
+    a = parse(["--arch", arch, "--run-dir", "unused", "--r-max", str(r), "--step-weights", *(["1"] * r),
+               "--mean-depth", str(r), "--depth-sigma", "0.001", "--min-depth", str(r), "--bptt", str(r)])
+    pieces, ids, docs = packed([7, 5, 8], seed=17)
+    masks = [torch.arange(len(p)) >= 2 for p in pieces]  # each document's first two tokens do not count
+    mask = torch.cat(masks)[None]
+    loss, g, _ = grads(m, lambda parts: lm_loss(m, ids, a, 0, mask, docs)[0])
+    total, acc, n_all = 0.0, {}, 0
+    for piece, mk in zip(pieces, masks):
+        li, gi, _ = grads(m, lambda parts: lm_loss(m, piece[None], a, 0, mk[None])[0])
+        w = int(mk[1:].sum())
+        total, n_all = total + w * li, n_all + w
+        for k, v in gi.items():
+            acc[k] = acc.get(k, 0) + w * v
+    # (token_ce computes in float32, whatever the model's dtype: float32 agreement, not float64's)
+    assert abs(loss - total / n_all) < 1e-5
+    for k in g:
+        assert torch.allclose(g[k], acc[k] / n_all, rtol=1e-4, atol=1e-6), k
