@@ -154,11 +154,11 @@ def test_output_inside_model_is_refused(tiny):
 # ------------------------------------------------------------------------------- the rehearsal
 @pytest.mark.slow
 def test_rehearsal_fsdp2_grad_accum_resume(tmp_path):
-    """train/rehearsal.py at ctx 256 (the documented run is 4,096): Ouro-1.4B's structure (24 layers,
+    """train/rehearsal.py at ctx 64 (the documented run is 4,096): Ouro-1.4B's structure (24 layers,
     r_max 4) at width 64 through `accelerate launch` on 2 CPU ranks, FSDP2 per block, --grad-accum 2,
     --gradient-checkpointing; killed after step 2 (--max-steps-this-run) and resumed to step 3; each
     rank holds about half the parameter bytes."""
-    r = subprocess.run([sys.executable, "-m", "train.rehearsal", "--out", str(tmp_path), "--ctx", "256"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "train.rehearsal", "--out", str(tmp_path), "--ctx", "64"], cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + (tmp_path / "log.txt").read_text()[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
