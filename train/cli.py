@@ -266,3 +266,17 @@ def remove_if_unused(out: Path, created: bool, keep_markers=("checkpoints", "ckp
     """After a failed start: delete a folder this run created if it holds no checkpoint."""
     if created and out.exists() and not any((out / m).exists() for m in keep_markers):
         shutil.rmtree(out, ignore_errors=True)
+
+
+def finished_or_claimed(acc, out: Path, identity: dict, summary_file: Path, steps: int) -> bool:
+    """A re-launch into `out` that already holds a run (run.json): refused if it is another run (one
+    line, claim_output), True (after saying so) if that run finished `steps` steps (its summary_file
+    records them), False if it is to be resumed. A folder without run.json: False."""
+    if not (out / "run.json").exists():
+        return False
+    claim_output(out, identity, False)  # raises on another model / config
+    if summary_file.exists() and json.loads(summary_file.read_text()).get("steps", 0) >= steps:
+        acc.print(f"already finished: {out} holds the finished run ({steps} steps, {summary_file.name}); "
+                  "pass a new --output (or a larger --steps to continue it)")
+        return True
+    return False

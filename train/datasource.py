@@ -86,21 +86,25 @@ class Tokens:
             return random_windows(self.train, batch, ctx, seed)
         return torch.from_numpy(self.train[self._rows(batch, seed)]).long()
 
+    def _train_like(self, arr: np.ndarray, batch: int, ctx: int, seed: list[int]) -> torch.Tensor:
+        """`arr` (aligned with the training tokens) at the rows / windows `batch(batch, ctx, seed)` draws."""
+        if self.packed:
+            return torch.from_numpy(arr[self._rows(batch, seed)])
+        return random_windows(arr, batch, ctx, seed)
+
+    def _held_like(self, arr: np.ndarray, ctx: int, max_windows: int | None) -> torch.Tensor:
+        """`arr` (aligned with the held-out tokens) at the windows `eval(ctx, max_windows)` returns."""
+        if self.packed:
+            return torch.from_numpy(arr[:max_windows])
+        return eval_windows(arr, ctx, max_windows)
+
     def batch_mask(self, batch: int, ctx: int, seed: list[int]) -> torch.Tensor | None:
         """The loss mask of `batch(batch, ctx, seed)`'s windows (the same seed draws the same starts / rows)."""
-        if self.train_mask is None:
-            return None
-        if self.packed:
-            return torch.from_numpy(self.train_mask[self._rows(batch, seed)]).bool()
-        return random_windows(self.train_mask, batch, ctx, seed).bool()
+        return None if self.train_mask is None else self._train_like(self.train_mask, batch, ctx, seed).bool()
 
     def batch_doc(self, batch: int, ctx: int, seed: list[int]) -> torch.Tensor | None:
         """The document numbers of `batch(batch, ctx, seed)`'s windows; None for a stream."""
-        if self.train_doc is None:
-            return None
-        if self.packed:
-            return torch.from_numpy(self.train_doc[self._rows(batch, seed)]).long()
-        return random_windows(self.train_doc, batch, ctx, seed).long()
+        return None if self.train_doc is None else self._train_like(self.train_doc, batch, ctx, seed).long()
 
     def eval(self, ctx: int, max_windows: int | None) -> torch.Tensor:
         if not self.packed:
@@ -108,18 +112,10 @@ class Tokens:
         return torch.from_numpy(self.heldout[:max_windows]).long()
 
     def eval_mask(self, ctx: int, max_windows: int | None) -> torch.Tensor | None:
-        if self.heldout_mask is None:
-            return None
-        if self.packed:
-            return torch.from_numpy(self.heldout_mask[:max_windows]).bool()
-        return eval_windows(self.heldout_mask, ctx, max_windows).bool()
+        return None if self.heldout_mask is None else self._held_like(self.heldout_mask, ctx, max_windows).bool()
 
     def eval_doc(self, ctx: int, max_windows: int | None) -> torch.Tensor | None:
-        if self.heldout_doc is None:
-            return None
-        if self.packed:
-            return torch.from_numpy(self.heldout_doc[:max_windows]).long()
-        return eval_windows(self.heldout_doc, ctx, max_windows).long()
+        return None if self.heldout_doc is None else self._held_like(self.heldout_doc, ctx, max_windows).long()
 
 
 def sha(arr: np.ndarray) -> str:

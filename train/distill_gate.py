@@ -865,13 +865,9 @@ def main(argv=None) -> None:
     tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
     ident = identity(a, tok_dir, acc.num_processes)
     summary_file = a.output / "distill_gate.json"
-    if (a.output / "run.json").exists():
-        cli.claim_output(a.output, ident, False)  # raises on another model / config
-        if summary_file.exists() and json.loads(summary_file.read_text()).get("steps", 0) >= a.steps:
-            acc.print(f"already finished: {a.output} holds this finished run ({a.steps} steps, distill_gate.json); "
-                      "pass a new --output (or a larger --steps to continue it)")
-            return
-    elif a.output.exists() and any(a.output.iterdir()):
+    if cli.finished_or_claimed(acc, a.output, ident, summary_file, a.steps):
+        return
+    if not (a.output / "run.json").exists() and a.output.exists() and any(a.output.iterdir()):
         raise UserError(f"--output {a.output} exists and is not empty (and holds no run of this script: run.json)")
     created = not a.output.exists()
     acc.wait_for_everyone()

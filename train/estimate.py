@@ -230,6 +230,17 @@ class _Roofline(TorchDispatchMode):
 
 
 # ----------------------------------------------------------------------------- one step
+def _adamw_with_state(params: list, **kw) -> torch.optim.AdamW:
+    """The trainers' foreach AdamW with its state already there (it exists from the first step on):
+    created by one step with zero gradients, then the gradients dropped."""
+    opt = torch.optim.AdamW(params, foreach=True, **kw)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
 def run_step(cfg: LoopConfig, ctx: int, batch: int, options: dict, *, lora_rank: int = 0, autocast: bool = True,
              fsdp: bool = False, fake: bool = True, top: int = 0, peak_flops: float = 989e12, hbm_bw: float = 3.35e12,
              seed: int = 0) -> dict:
@@ -244,12 +255,8 @@ def run_step(cfg: LoopConfig, ctx: int, batch: int, options: dict, *, lora_rank:
         model = build(cfg, lora_rank, weights)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = None
-        if not fsdp:  # the state exists from the first step on: create it first (a step with zero gradients)
-            opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), foreach=True)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        if not fsdp:
+            opt = _adamw_with_state(params, lr=1e-4, betas=(0.9, 0.95))
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(cfg.vocab_size, (batch, ctx + 1), generator=None if fake else g)
         step = Step(model, policy, options)
@@ -311,11 +318,7 @@ def run_distill_step(cfg: LoopConfig, ctx: int, batch: int, phase: str = "heads"
             def loss_fn(ids):
                 return heads_loss(model, heads, names, ids, None, None, objective, 0.1, precision, frozen_batch)
         params = list(heads.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, foreach=True)
-        for p in params:  # the state exists from the first step on (a step with zero gradients)
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt = _adamw_with_state(params, lr=1e-3, weight_decay=0.0)
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(cfg.vocab_size, (batch, ctx + 1), generator=None if fake else g)
         step = _Root(loss_fn, model, heads)

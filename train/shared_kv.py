@@ -800,13 +800,9 @@ def main(argv=None) -> None:
     tok_dir = a.tokenizer or (a.model if (a.model / "tokenizer.json").exists() else TOKENIZER)
     ident = identity(a, tok_dir, acc.num_processes)
     summary_file = a.output / "summary.json"
-    if (a.output / "run.json").exists():
-        cli.claim_output(a.output, ident, False)  # raises on another model / config
-        if summary_file.exists() and json.loads(summary_file.read_text()).get("steps", 0) >= a.steps:
-            acc.print(f"already finished: {a.output} holds the finished run ({a.steps} steps, summary.json); "
-                      "pass a new --output (or a larger --steps to continue it)")
-            return
-    elif summary_file.exists():
+    if cli.finished_or_claimed(acc, a.output, ident, summary_file, a.steps):
+        return
+    if not (a.output / "run.json").exists() and summary_file.exists():
         acc.print(f"already finished: {a.output} holds a finished run (summary.json); pass a new --output")
         return
     created = not a.output.exists()
