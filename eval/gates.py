@@ -130,8 +130,8 @@ def _point(r: dict, q: float | None, work: dict, cb: dict | None) -> dict:
 def compare(model: str, seed: int, n: int, thresholds: list[float], depths: list[float],
             kv_layouts: list[str | None] = (None,), text: Path | None = None, iters: int = 1000) -> dict:
     from infer.engine.llm import LLM
-    from looplm.config import LoopConfig
-    cfg = LoopConfig.from_json(Path(model) / "config.json")
+    from looplm.io import read_config
+    cfg = read_config(Path(model))
     gates = {k: v for k, v in GATES.items() if k not in ("lookahead_head", "preloop") or
              getattr(cfg, "lookahead_gate" if k == "lookahead_head" else "preloop_gate")}
     records = generate(seed, n, 1, 4, 3) if text is None else None

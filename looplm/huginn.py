@@ -1,7 +1,14 @@
-"""Huginn (tomg-group-umd/huginn-0125): `2-4-2` with input injection through an adapter.
+"""The huginn_raven format: a prelude, then the prelude output injected through an adapter at every
+loop step (from a zero state), a coda.
 
-Key names follow the released checkpoint: `transformer.wte`, `transformer.{prelude,core_block,coda}.{i}`
-with `norm_1..norm_4`, `attn.Wqkv`, `attn.qk_bias`, `attn.proj`, `mlp.fc`, `mlp.proj`;
+- Huginn-0125 (tomg-group-umd/huginn-0125, `2-4-2`): sandwich blocks (`norm_1..norm_4`), interleaved
+  RoPE, an optional `qk_bias`, ln_f used twice (before and after the coda).
+- The retrofitted-recurrence checkpoints (McLeish et al. 2025; LoopedLMs/retrofitting-recurrence):
+  Llama layers under the same names, pre-norm (`raven_llama`: Llama-3.2, TinyLlama) or post-norm with
+  q/k norms over the full q/k width (`raven_olmo`: OLMo-2), Llama RoPE, GQA, ln_f once (after the coda).
+
+Key names follow the released checkpoints: `transformer.wte`, `transformer.{prelude,core_block,coda}.{i}`
+with `norm_*`, `attn.Wqkv`, `attn.qk_bias` / `attn.{q,k}_norm`, `attn.proj`, `mlp.fc`, `mlp.proj`;
 `transformer.adapter`, `transformer.ln_f`, `lm_head`. Our optional learned gate is `exit_gate`.
 """
 from __future__ import annotations
@@ -32,18 +39,44 @@ class SandwichBlock(nn.Module):
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
+class RavenBlock(nn.Module):
+    """A retrofitted model's Llama layer under the huginn_raven names: pre-norm (Llama:
+    x + attn(norm_1(x)), then x + mlp(norm_2(x))) or post-norm (OLMo-2: x + norm_1(attn(x)), then
+    x + norm_2(mlp(x)), with q/k norms)."""
+
+    def __init__(self, cfg: LoopConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.post_norm = cfg.family == "raven_olmo"
+        self.norm_1 = RMSNorm(d, cfg.norm_eps)
+        self.attn = Attention(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, fused=True,
+                              interleaved=False, qk_norm=self.post_norm, eps=cfg.norm_eps)
+        self.norm_2 = RMSNorm(d, cfg.norm_eps)
+        self.mlp = SwiGLU(d, cfg.intermediate_size, fused=True)
+
+    def forward(self, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
+        if self.post_norm:
+            x = x + self.norm_1(self.attn(x, rope, attend))
+            return x + self.norm_2(self.mlp(x))
+        x = x + self.attn(self.norm_1(x), rope, attend)
+        return x + self.mlp(self.norm_2(x))
+
+
 class HuginnLM(LoopedLM):
     def __init__(self, cfg: LoopConfig):
         super().__init__()
         self.cfg = cfg
         d = cfg.hidden_size
+        Block = SandwichBlock if cfg.family == "huginn" else RavenBlock
+        # Huginn-0125 norms the loop state before its coda as well as after it; the retrofits do not
+        self.ln_f_twice = cfg.family == "huginn"
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab_size, d),
-            prelude=nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.n_prelude)),
+            prelude=nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude)),
             adapter=nn.Linear(2 * d, d, bias=False),
-            core_block=nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.n_core)),
-            coda=nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.n_coda)),
-            ln_f=RMSNorm(d, cfg.norm_eps),  # used twice: after the loop and before the head
+            core_block=nn.ModuleList(Block(cfg) for _ in range(cfg.n_core)),
+            coda=nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda)),
+            ln_f=RMSNorm(d, cfg.norm_eps),
         ))
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -78,8 +111,11 @@ class HuginnLM(LoopedLM):
     def stock_gate(self):
         return self.exit_gate if self.cfg.exit_gate else None
 
+    def input_embedding(self) -> nn.Embedding:
+        return self.transformer.wte
+
     def coda(self, state, rope, attend_for: AttendFor):
-        x = self.transformer.ln_f(state)
+        x = self.transformer.ln_f(state) if self.ln_f_twice else state
         for i, block in enumerate(self.transformer.coda):
             x = block(x, rope, attend_for("coda", i))
         return self.transformer.ln_f(x)

@@ -61,6 +61,36 @@ def _tensor_files(folder: Path) -> list[Path]:
     return files
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """The tensor names a folder holds, read from the index or the files' headers (no tensor is
+    loaded); empty for a folder without weights (a dummy load's config-only folder)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for f in [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else \
+            sorted(folder.glob("model*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                names.update(fh.keys())
+        except Exception:  # noqa: BLE001 - load_state names an unreadable file when it loads it
+            pass
+    return names
+
+
+def read_config(folder: Path) -> LoopConfig:
+    """A folder's config.json as a LoopConfig, the file named in any error. The retrofitted OLMo-2
+    checkpoints share the Llama retrofits' config keys; their q/k-norm tensors tell them apart."""
+    try:
+        cfg = LoopConfig.from_json(folder / "config.json")
+    except ValueError as e:  # name the file unless the message already does
+        raise ValueError(str(e) if str(folder) in str(e) else f"{folder / 'config.json'}: {e}") from None
+    if cfg.family == "raven_llama" and any(".attn.q_norm." in k for k in tensor_names(folder)):
+        from .config import replace
+        cfg = replace(cfg, family="raven_olmo")
+    return cfg
+
+
 def load_state(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in _tensor_files(folder):
@@ -85,10 +115,7 @@ def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype 
     folder = resolve_path(path_or_hub_id)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder}: no config.json (not a checkpoint folder)")
-    try:
-        cfg = LoopConfig.from_json(folder / "config.json")
-    except ValueError as e:  # name the file unless the message already does
-        raise ValueError(str(e) if str(folder) in str(e) else f"{folder / 'config.json'}: {e}") from None
+    cfg = read_config(folder)
     if overrides:
         from .config import replace
         cfg = replace(cfg, **overrides)
@@ -146,8 +173,7 @@ def model_from_state(cfg: LoopConfig, state: dict[str, torch.Tensor], dtype: str
             raise ValueError(f"tensor {k!r} has shape {tuple(state[k].shape)}, expected {tuple(t.shape)}")
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=False, assign=True)
     if tied:
-        emb = model.model.embed_tokens if cfg.arch == "ouro" else model.transformer.wte
-        model.lm_head.weight = emb.weight
+        model.lm_head.weight = model.input_embedding().weight
     return model.eval()
 
 

@@ -56,7 +56,7 @@ def split_config(cfg: LoopConfig, split) -> LoopConfig:
     p, c, q = parse_layer_split(split)
     if cfg.arch != "huginn":
         raise ParamError("layer_split", f"layer_split is Huginn-only (the authors' loader splits Huginn alone); "
-                                        f"{cfg.name} is an Ouro model, 0-L-0 by architecture")
+                                        f"{cfg.name} is 0-L-0 by architecture")
     have = (cfg.n_prelude, cfg.n_core, cfg.n_coda)
     over = [f"{name} {want} > {n}" for name, want, n in zip(("prelude", "core", "coda"), (p, c, q), have) if want > n]
     if over:

@@ -1,4 +1,5 @@
-"""Building blocks shared by both architectures: RMSNorm, the two RoPE styles, GQA attention, SwiGLU.
+"""Building blocks shared by every family: RMSNorm, the two RoPE styles (with Llama-3 frequency
+scaling), GQA attention (optionally with OLMo-2's q/k norms), SwiGLU.
 
 Attention does not own a KV cache. It projects q/k/v and hands them to an `attend(q, k, v)` callable
 chosen by the caller: plain causal attention for a full forward, or a KV-layout context for the
@@ -7,6 +8,7 @@ the reference decoder and the engine.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -29,11 +31,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, cdt: torch.dtype) -> torch.Tensor:
+    """RoPE's inverse frequencies; `scaling` {"rope_type": "llama3", factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings} rescales them as Llama 3.1+ does (transformers'
+    `_compute_llama3_parameters`): wavelengths above the original context / low_freq_factor are
+    divided by `factor`, those below / high_freq_factor are kept, and the band between interpolates."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=cdt) / head_dim))
+    if scaling is None:
+        return inv
+    factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [*positions.shape, head_dim // 2], computed in fp32 (fp64 for fp64 models)."""
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=cdt) / head_dim))
+    inv = rope_inv_freq(head_dim, theta, scaling, cdt).to(positions.device)
     ang = positions.to(cdt)[..., None] * inv
     return ang.cos(), ang.sin()
 
@@ -82,19 +102,25 @@ class SwiGLU(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA attention. Ouro: separate q/k/v/o projections, rotate-half RoPE.
-    Huginn: fused `Wqkv` (rows q | k | v), optional `qk_bias` added before interleaved RoPE, `proj`."""
+    """GQA attention. Separate q/k/v/o projections (Ouro, Nanbeige) or a fused `Wqkv` (rows q | k | v)
+    with `proj` (the huginn_raven families). `interleaved` RoPE rotates adjacent pairs (Huginn-0125),
+    otherwise halves (every Llama-style family). Huginn-0125's optional `qk_bias` is added before RoPE;
+    the OLMo-2 retrofit's `qk_norm` RMS-normalises q and k over their full width before the heads split."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, theta: float, fused: bool,
-                 qk_bias: bool = False):
+                 qk_bias: bool = False, interleaved: bool | None = None, qk_norm: bool = False, eps: float = 1e-6):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.theta, self.fused = heads, kv_heads, head_dim, theta, fused
+        self.interleaved = fused if interleaved is None else interleaved
         if fused:
             self.Wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
             self.proj = nn.Linear(heads * head_dim, dim, bias=False)
             if qk_bias:
                 # the reference stores [2, 1, heads, head_dim]: one row for q, one for k
                 self.qk_bias = nn.Parameter(torch.zeros(2, 1, heads, head_dim))
+            if qk_norm:
+                self.q_norm = RMSNorm(heads * head_dim, eps)
+                self.k_norm = RMSNorm(kv_heads * head_dim, eps)
         else:
             self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
             self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
@@ -106,6 +132,8 @@ class Attention(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         if self.fused:
             q, k, v = self.Wqkv(x).split([H * D, KV * D, KV * D], dim=-1)
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = q.view(*shp, H, D), k.view(*shp, KV, D), v.view(*shp, KV, D)
             if hasattr(self, "qk_bias"):
                 q, k = q + self.qk_bias[0], k + self.qk_bias[1]  # [1, H, D] over tokens; KV == H (config)
@@ -113,8 +141,8 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(*shp, H, D)
             k = self.k_proj(x).view(*shp, KV, D)
             v = self.v_proj(x).view(*shp, KV, D)
-        q = apply_rope(q, *rope, interleaved=self.fused)
-        k = apply_rope(k, *rope, interleaved=self.fused)
+        q = apply_rope(q, *rope, interleaved=self.interleaved)
+        k = apply_rope(k, *rope, interleaved=self.interleaved)
         y = attend(q, k, v)
         out = y.reshape(*shp, H * D)
         return self.proj(out) if self.fused else self.o_proj(out)

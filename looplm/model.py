@@ -1,4 +1,4 @@
-"""The looped-LM interface both architectures implement, and the full-sequence forward built on it.
+"""The looped-LM interface every family implements, and the full-sequence forward built on it.
 
 A looped LM is `embed -> prelude (P layers) -> core (C layers) x r -> coda (Q layers) -> head`.
 Each piece is a method over tokens of any leading shape ([B, T] for a full forward, [N] for a flat
@@ -93,12 +93,16 @@ class LoopedLM(nn.Module):
         """Loop state -> hidden state the head reads (runs the coda layers, writing their KV)."""
         raise NotImplementedError
 
+    def input_embedding(self) -> nn.Embedding:
+        """The token embedding (what a tied LM head shares)."""
+        raise NotImplementedError
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     # ---- helpers -------------------------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype, self.cfg.rope_scaling)
 
     @property
     def dtype(self) -> torch.dtype:

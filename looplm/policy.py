@@ -84,6 +84,11 @@ class ExitPolicy:
             raise ParamError("r_max", f"r_max={cfg.r_max} exceeds the {cfg.preloop_depths} depths the model's "
                                       f"preloop_gate head covers (the r_max it was distilled at): use r_max <= "
                                       f"{cfg.preloop_depths} or another exit criterion")
+        if lookahead and not full_depth and cfg.r_max < 3:
+            # a lookahead signal read after step s exits after step s + 1 >= 2, already r_max here
+            raise ParamError("lookahead", f"lookahead needs r_max >= 3: with {cfg.name} a signal read after step 1 "
+                                          f"exits after step 2 = r_max, so no token could leave the loop early; "
+                                          f"use lookahead=False (the exit is then decided after each step)")
         thr = threshold if threshold is not None else cfg.exit_threshold
         if thr is None and crit in DEFAULT_THRESHOLDS:
             thr = DEFAULT_THRESHOLDS[crit]

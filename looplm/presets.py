@@ -1,5 +1,6 @@
-"""Named model shapes: tiny presets for both architectures (tests, CI, the demo fallback), the paper's
-two models at their real shapes (the simulator, GPU timing runs), and random init."""
+"""Named model shapes: tiny presets for every family (tests, CI, the demo fallback), the paper's two
+models and the newer looped families at their real shapes (the simulator, GPU timing runs,
+`load_format="dummy"`), and random init."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,24 @@ PRESETS: dict[str, dict] = {
                         num_kv_heads=4, head_dim=16, n_prelude=2, n_core=2, n_coda=2, r_max=6, rope_theta=50000.0,
                         max_position=512, qk_bias=True, tie_embeddings=True, embed_scale=8.0, exit_gate=True,
                         exit_criterion="learned", exit_threshold=0.6, eos_token_id=0),
+    # the retrofitted-recurrence Llama layout: 2-2-1, GQA, Llama-3 RoPE scaling, untied, ln_f once;
+    # a learned gate (train/distill_gate.py --add-gate gives a real checkpoint one)
+    "raven-llama-tiny": dict(arch="huginn", family="raven_llama", vocab_size=256, hidden_size=64,
+                             intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, n_prelude=2, n_core=2,
+                             n_coda=1, r_max=5, rope_theta=500000.0, max_position=512,
+                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=64),
+                             exit_gate=True, exit_criterion="learned", exit_threshold=0.6, eos_token_id=0),
+    # the OLMo-2 retrofit: post-norm blocks with q/k norms, 1-2-1
+    "raven-olmo-tiny": dict(arch="huginn", family="raven_olmo", vocab_size=256, hidden_size=64,
+                            intermediate_size=128, num_heads=4, num_kv_heads=4, head_dim=16, n_prelude=1, n_core=2,
+                            n_coda=1, r_max=5, rope_theta=500000.0, max_position=512, exit_gate=True,
+                            exit_criterion="learned", exit_threshold=0.6, eos_token_id=0),
+    # Nanbeige4.2's structure: pre-norm Llama layers run r_max = num_loops = 2 times, q/o not square
+    "nanbeige-tiny": dict(arch="ouro", family="nanbeige", vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_heads=4, num_kv_heads=2, head_dim=32, n_prelude=0, n_core=2, n_coda=0, r_max=2,
+                          rope_theta=7e7, max_position=512, exit_gate=True, exit_criterion="learned",
+                          exit_threshold=0.6, eos_token_id=0),
 }
 
 
@@ -36,6 +55,29 @@ PAPER_MODELS: dict[str, dict] = {
 
 # Smaller shapes that keep a paper model's structure (width, heads, vocabulary, r_max, gate) with fewer
 # layers: real-shape stages whose cost a CPU can pay (dummy weights, infer.bench).
+# The looped models users run beyond the paper's two (FACTS.md section 8), at their real shapes, context
+# capped at 4,096 as above. The gateless releases get the simulator's stand-in criterion (infer/sim);
+# r_max is the largest released recurrence (retrofits: train-recurrence-32) or the release's loop count.
+_LLAMA3_SCALING = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+PAPER_MODELS.update({
+    "ouro-2.6b": {**PAPER_MODELS["ouro-1.4b"], "n_core": 48},
+    "retro-llama-3.2-1b": dict(arch="huginn", family="raven_llama", vocab_size=128256, hidden_size=2048,
+                               intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64, n_prelude=4,
+                               n_core=6, n_coda=4, r_max=32, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+                               max_position=4096, norm_eps=1e-5, exit_criterion="latent_diff", exit_threshold=0.03),
+    "retro-tinyllama-1.1b": dict(arch="huginn", family="raven_llama", vocab_size=32000, hidden_size=2048,
+                                 intermediate_size=5632, num_heads=32, num_kv_heads=4, head_dim=64, n_prelude=4,
+                                 n_core=8, n_coda=4, r_max=32, rope_theta=10000.0, max_position=2048, norm_eps=1e-5,
+                                 exit_criterion="latent_diff", exit_threshold=0.03),
+    "retro-olmo2-1b": dict(arch="huginn", family="raven_olmo", vocab_size=100352, hidden_size=2048,
+                           intermediate_size=8192, num_heads=16, num_kv_heads=16, head_dim=128, n_prelude=4, n_core=6,
+                           n_coda=4, r_max=32, rope_theta=500000.0, max_position=4096, norm_eps=1e-6,
+                           exit_criterion="latent_diff", exit_threshold=0.03),
+    "nanbeige4.2-3b": dict(arch="ouro", family="nanbeige", vocab_size=166144, hidden_size=3072,
+                           intermediate_size=10752, num_heads=48, num_kv_heads=8, head_dim=128, n_prelude=0,
+                           n_core=22, n_coda=0, r_max=2, rope_theta=7e7, max_position=4096, norm_eps=1e-6),
+})
 PAPER_MODELS["ouro-1.4b-4l"] = {**PAPER_MODELS["ouro-1.4b"], "n_core": 4}
 PAPER_MODELS["huginn-3.5b-1-1-1"] = {**PAPER_MODELS["huginn-3.5b"], "n_prelude": 1, "n_core": 1, "n_coda": 1}
 # Ouro-1.4B's structure (0-N-0 core, sandwich norms, exit gate, r_max 4, MHA with 128-wide heads... here

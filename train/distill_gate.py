@@ -357,7 +357,7 @@ ADDED_GATE_FILE = "model-exit-gate.safetensors"  # the gate's own file beside a 
 
 def check_add_gate(a, cfg) -> None:
     """--add-gate's refusals, before anything is loaded or trained (one line each)."""
-    if cfg.arch == "ouro":
+    if cfg.family == "ouro":
         raise UserError(f"--add-gate: {cfg.name} is an Ouro checkpoint, whose early_exit_gate is part of the "
                         f"architecture; distil from it without --add-gate")
     if cfg.exit_gate:
@@ -850,7 +850,7 @@ def main(argv=None) -> None:
         raise UserError("--teacher / --teacher-threshold train a new gate: they need --add-gate")
     elif a.gates == "none":
         raise UserError("--gates none trains nothing without --add-gate")
-    teacher = cfg.exit_criterion if cfg.exit_criterion in GATE_CRITERIA else "ouro_gate" if cfg.arch == "ouro" else None
+    teacher = cfg.exit_criterion if cfg.exit_criterion in GATE_CRITERIA else "ouro_gate" if cfg.family == "ouro" else None
     if a.add_gate:
         teacher = "learned"  # the new gate: the teacher of the heads distilled after it
     elif teacher is None or model.stock_gate() is None:

@@ -54,7 +54,7 @@ from torch.utils.flop_counter import flop_registry
 
 from looplm.cli import UserError
 from looplm.config import LoopConfig, replace
-from looplm.io import build_model
+from looplm.io import build_model, read_config
 from looplm.presets import PAPER_MODELS, PRESETS
 from train import cli
 from train.lora import TARGETS as LORA_TARGETS
@@ -62,7 +62,7 @@ from train.shared_kv import policy_for, training_loss
 
 aten = torch.ops.aten
 GB = 1e9
-BLOCKS = ("OuroLayer", "SandwichBlock")  # FSDP2's units (train/shared_kv.py: _no_split_modules)
+BLOCKS = ("OuroLayer", "NanbeigeLayer", "SandwichBlock", "RavenBlock")  # FSDP2's units (train/shared_kv.py: _no_split_modules)
 CATEGORIES = {"parameters": _MemRefType.PARAM, "gradients": _MemRefType.GRAD, "optimizer_state": _MemRefType.OPT,
               "activations": _MemRefType.ACT, "temporaries": _MemRefType.TEMP}
 
@@ -73,7 +73,7 @@ def model_config(name: str, r_max: int | None = None) -> LoopConfig:
     if name in PAPER_MODELS or name in PRESETS:
         cfg = LoopConfig(**(PAPER_MODELS.get(name) or PRESETS[name]))
     elif (Path(name) / "config.json").exists():
-        cfg = LoopConfig.from_json(Path(name) / "config.json")
+        cfg = read_config(Path(name))
     else:
         raise UserError(f"--model {name}: neither a preset ({', '.join(sorted(PAPER_MODELS | PRESETS))}) "
                         "nor a folder with config.json")
@@ -365,13 +365,13 @@ def estimate_distill(a: argparse.Namespace) -> dict:
     gates = a.gates or ("none" if a.add_gate else "both")
     phases = []
     if a.add_gate:
-        if cfg.arch == "ouro":
+        if cfg.family == "ouro":
             raise UserError(f"--add-gate: {a.model} is an Ouro model, whose gate is part of the architecture")
         cfg = replace(cfg, exit_gate=False, exit_criterion=a.teacher if a.teacher != "loss" else "kl")
         phases.append(("add_gate", cfg))
         cfg = replace(cfg, exit_gate=True, exit_criterion="learned")  # the heads' phase: the new gate is the teacher
     if gates != "none":
-        if cfg.arch == "huginn" and not cfg.exit_gate:
+        if not cfg.exit_gate:
             raise UserError(f"{a.model} has no exit gate to distil from: --add-gate")
         phases.append(("heads", cfg))
     if not phases:

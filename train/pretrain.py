@@ -390,7 +390,7 @@ def pretrain(a, accelerator) -> None:
     if a.embed_std is not None:
         # Ouro adds each sandwich-normed branch (unit RMS) to the residual stream: an embedding of
         # std 0.02 is drowned after the first layer, and training spends hundreds of steps growing it
-        emb = model.model.embed_tokens if cfg.arch == "ouro" else model.transformer.wte
+        emb = model.input_embedding()
         with torch.no_grad():
             emb.weight.normal_(0.0, a.embed_std, generator=torch.Generator().manual_seed(a.seed + 1))
     for n, p in model.named_parameters():

@@ -72,11 +72,9 @@ from train.lora import add_lora, merge_lora
 
 def gate_logits_detached(model, state: torch.Tensor) -> torch.Tensor:
     """Gate scores whose gradient reaches only the gate head (Huginn's gate reads ln_f, an LM weight)."""
-    if hasattr(model, "exit_gate") and hasattr(model, "transformer"):
-        with torch.no_grad():
-            x = model.transformer.ln_f(state)
-        return model.exit_gate(x).squeeze(-1)
-    return model.gate_logits(state.detach())
+    with torch.no_grad():
+        x = model.gate_features(state)
+    return model.stock_gate()(x).squeeze(-1)
 
 
 @dataclass
@@ -870,7 +868,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     obj = SharedKVObjective(model, a, policy)
     # FSDP's transformer-based wrap (train/configs/*fsdp*.yaml, no class names there): one unit per
     # block; accelerate reads the class names from `_no_split_modules` and keeps the ones present
-    obj._no_split_modules = ["OuroLayer", "SandwichBlock"]
+    obj._no_split_modules = ["OuroLayer", "NanbeigeLayer", "SandwichBlock", "RavenBlock"]
     obj, opt, sched = acc.prepare(obj, opt, sched)
     fsdp2_units(obj)  # FSDP2: blocks stay gathered through a step (see there)
     param_bytes = local_param_bytes(obj)

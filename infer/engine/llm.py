@@ -10,7 +10,7 @@ from looplm import PAPER_MODELS, PRESETS, LoopConfig, dummy_model, load_pretrain
     tiny_model
 from looplm.config import replace
 from looplm.errors import ParamError
-from looplm.io import model_from_state, resolve_dtype, resolve_path
+from looplm.io import model_from_state, read_config, resolve_dtype, resolve_path
 from looplm.layer_split import apply_layer_split, split_config
 from looplm.model import LoopedLM
 
@@ -70,7 +70,7 @@ def _load(model: str | Path | LoopedLM, dtype, device, r_max: int | None, load_f
         folder = resolve_path(model)
         if not (folder / "config.json").exists():
             raise ParamError("model", f"{folder}: no config.json (load_format='dummy' builds the model it describes)")
-        cfg = LoopConfig.from_json(folder / "config.json")
+        cfg = read_config(folder)
         cfg = replace(cfg, **kw) if kw else cfg
         return dummy_model(_split_cfg(cfg, layer_split), resolve_dtype(dtype), device), load_tokenizer(folder)
     m = load_pretrained(model, dtype=dtype, device=device, layer_split=layer_split, **kw)

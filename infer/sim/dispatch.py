@@ -47,6 +47,7 @@ import torch.nn.attention.flex_attention as fa
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from infer.engine.sequence import Stage
+from looplm.io import read_config
 from looplm.errors import ParamError
 
 OP_US = 5.0  # host microseconds per eager aten op (the figure for a GPU host)
@@ -417,7 +418,6 @@ def real_criterion(cfg, criterion: str) -> str:
 # ---------------------------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> None:
     from kv_layouts import DEFAULT_LAYOUT
-    from looplm.config import LoopConfig
     from looplm.presets import PAPER_MODELS, PRESETS, paper_config, preset_config
     p = argparse.ArgumentParser(prog="python -m infer.sim.dispatch", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="ouro-1.4b", help="a paper shape, a preset or a checkpoint folder")
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
     a = p.parse_args(argv)
     cfg = (paper_config(a.model) if a.model in PAPER_MODELS else preset_config(a.model) if a.model in PRESETS
-           else LoopConfig.from_json(Path(a.model) / "config.json"))
+           else read_config(Path(a.model)))
     layout = a.kv_layout or cfg.kv_layout or DEFAULT_LAYOUT
     crit = real_criterion(cfg, "learned")
     out = {"model": a.model, "structure": cfg.name, "kv_layout": layout, "criterion": crit}

@@ -38,6 +38,7 @@ from infer.engine.llm_engine import LLMEngine
 from infer.engine.runner import Emitted
 from infer.engine.scheduler import Work
 from infer.engine.sequence import Sequence, Stage
+from looplm.io import read_config
 from looplm import PAPER_MODELS, PRESETS, LoopConfig, load_tokenizer, paper_config, preset_config
 from looplm.errors import ParamError
 from looplm.layer_split import split_config
@@ -227,7 +228,7 @@ def emulated_config(model: str | Path, layer_split: str | None = None):
             raise ParamError("model", f"{model}: neither a paper model {sorted(PAPER_MODELS)}, a preset "
                                       f"{sorted(PRESETS)} nor a folder with a config.json (the emulated device "
                                       "needs only the config)")
-        cfg = LoopConfig.from_json(folder / "config.json")
+        cfg = read_config(folder)
         tok = load_tokenizer(folder) or TrivialTokenizer()
     return (split_config(cfg, layer_split) if layer_split else cfg), tok
 
