@@ -22,6 +22,8 @@ from .ouro import OuroLM
 GATES_FILE = "exit_gates.safetensors"  # heads distilled by train/distill_gate.py, beside the model's own tensors
 DISTILLED_PREFIXES = ("lookahead_exit_gate.", "preloop_exit_gate.")
 IGNORED_KEYS = ("freqs_cis",)  # Huginn's persistent RoPE buffer: we compute RoPE on the fly
+# a RoPE buffer some checkpoints store per layer (Nanbeige's Hub copy patched for MPS); also recomputed
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
@@ -157,8 +159,8 @@ def model_from_state(cfg: LoopConfig, state: dict[str, torch.Tensor], dtype: str
     expected = model.state_dict()
     tied = cfg.tie_embeddings
     head_key = "lm_head.weight"
-    for k in IGNORED_KEYS:
-        state.pop(k, None)
+    for k in [k for k in state if k in IGNORED_KEYS or k.endswith(IGNORED_SUFFIXES)]:
+        state.pop(k)
     if tied:
         state.pop(head_key, None)  # a tied copy (Huginn stores one) is the embedding again
         expected = {k: v for k, v in expected.items() if k != head_key}
@@ -186,8 +188,9 @@ def save_pretrained(model: LoopedLM, out_dir: str | os.PathLike, dtype: str | to
     dt = resolve_dtype(dtype) if dtype is not None else None
     state = {k: (v.to(dt) if dt is not None else v).detach().cpu().contiguous().clone()
              for k, v in model.state_dict().items() if not k.startswith(DISTILLED_PREFIXES)}
-    if cfg.arch == "huginn":
-        # the reference registers RoPE as a persistent buffer; keep it so the folder loads there too
+    if cfg.family == "huginn":
+        # Huginn-0125's reference registers RoPE as a persistent buffer; keep it so the folder loads there
+        # too (the retrofits' reference computes RoPE on the fly and stores none)
         half = cfg.head_dim // 2
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
         ang = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv)

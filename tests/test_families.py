@@ -4,6 +4,7 @@ reference decoder in float64, for every policy x KV layout x lookahead, with eac
 (the retrofits: a learned gate and Huginn's kl / latent_diff / entropy_diff; Nanbeige: a learned gate,
 no lookahead at r_max 2). Batch sizes 1 / 3 / 8 rotate over the grid; seeds are printed in failures."""
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +144,30 @@ def test_dummy_load_folder(tmp_path, name):
 
 def cfg_arch(name):
     return PAPER_MODELS[name]["arch"]
+
+
+FIX = Path(__file__).parent / "fixtures" / "parity"
+
+
+@pytest.mark.parametrize("folder,teacher", [("retro_llama_b", "latent_diff"), ("nanbeige_b", "loss")])
+def test_add_gate_to_a_gateless_release(tmp_path, folder, teacher):
+    """train/distill_gate.py --add-gate gives a gateless checkpoint of a new family (made by its public
+    reference code) a learned exit gate; the engine then serves it equal to the reference decoder."""
+    import numpy as np
+    from train.distill_gate import main
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "train.npy", rng.integers(1, 128, 3000).astype(np.int32))
+    np.save(tmp_path / "held.npy", rng.integers(1, 128, 600).astype(np.int32))
+    main(["--model", str(FIX / folder), "--output", str(tmp_path / "out"), "--add-gate", "--teacher", teacher,
+          "--steps", "10", "--batch", "4", "--ctx", "32", "--warmup", "2", "--lr", "1e-2", "--log-every", "5",
+          "--eval-windows", "8", "--tokens", str(tmp_path / "train.npy"), "--heldout-tokens", str(tmp_path / "held.npy"),
+          "--no-wandb"])
+    m = load_pretrained(tmp_path / "out", dtype="float64")
+    assert m.cfg.family == load_pretrained(FIX / folder).cfg.family and m.cfg.exit_criterion == "learned"
+    pol = ExitPolicy.from_config(m.cfg)
+    reqs = [([int(t) for t in rng.integers(1, 128, n)], 6) for n in (3, 9, 5, 12)]
+    want = [reference_generate(m, p, n, pol, kv_layout="last_exited") for p, n in reqs]
+    eng = LLMEngine(m, EngineConfig(max_batch_size=3, kv_cache_tokens=256, policy="cdb", refill=True))
+    got = run_staggered(eng, reqs, 7, join=0.5)
+    for s, r in zip(got, want):
+        assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths

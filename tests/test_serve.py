@@ -544,3 +544,24 @@ def test_record_exits_refuses_replicas():
     from infer.serving.cli import main
     with pytest.raises(SystemExit):
         main(["--model", "ouro-tiny", "--record-exits", "x.json", "--replicas", "2"])
+
+
+def test_retrofitted_model_serves_latent_diff():
+    """A retrofitted-recurrence checkpoint (the Llama layout, made by the public reference code:
+    tests/fixtures/parity/retro_llama_a) answers through the server with Huginn's latent_diff criterion
+    at adaptive depth: the tokens and exit depths of the offline engine at the same settings."""
+    folder = ROOT / "tests" / "fixtures" / "parity" / "retro_llama_a"
+    kw = dict(exit_criterion="latent_diff", exit_threshold=0.8)
+    model = load_pretrained(folder, r_max=8)
+    srv = ServerThread(build_app(AsyncEngine(LLMEngine(model, EngineConfig(max_batch_size=4, **kw))), "retro"))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = [c.completions.create(model="retro", prompt=p, max_tokens=8, temperature=0).choices[0]
+               for p in ([5, 6, 7, 8, 9], [20, 30, 40])]
+    finally:
+        srv.stop()
+    want = LLM(load_pretrained(folder, r_max=8), **kw).generate(
+        [[5, 6, 7, 8, 9], [20, 30, 40]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.exit_depths == w.exit_depths
+    assert len({d for g in got for d in g.exit_depths[1:]}) >= 3  # adaptive: several depths below r_max 8

@@ -173,7 +173,7 @@ def structure_key(cfg) -> tuple:
     """What the op counts depend on in a config: everything but its widths and token ids."""
     skip = {"vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
             "max_position", "bos_token_id", "eos_token_id", "pad_token_id", "stop_token_ids", "extra",
-            "rope_theta", "norm_eps", "init_std", "embed_scale", "exit_threshold"}
+            "rope_theta", "rope_scaling", "norm_eps", "init_std", "embed_scale", "exit_threshold"}
     return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in skip) + (
         ("gqa", cfg.num_kv_heads < cfg.num_heads),)
 
