@@ -31,12 +31,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, cdt: torch.dtype) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, cdt: torch.dtype,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
     """RoPE's inverse frequencies; `scaling` {"rope_type": "llama3", factor, low_freq_factor,
     high_freq_factor, original_max_position_embeddings} rescales them as Llama 3.1+ does (transformers'
     `_compute_llama3_parameters`): wavelengths above the original context / low_freq_factor are
     divided by `factor`, those below / high_freq_factor are kept, and the band between interpolates."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=cdt) / head_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=cdt, device=device) / head_dim))
     if scaling is None:
         return inv
     factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -53,7 +54,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
                  scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [*positions.shape, head_dim // 2], computed in fp32 (fp64 for fp64 models)."""
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    inv = rope_inv_freq(head_dim, theta, scaling, cdt).to(positions.device)
+    inv = rope_inv_freq(head_dim, theta, scaling, cdt, positions.device)  # made there: no host-device copy
     ang = positions.to(cdt)[..., None] * inv
     return ang.cos(), ang.sin()
 

@@ -36,8 +36,8 @@ def cases():
     out = []
     for name, crits in CRITERIA.items():
         for crit in crits:
-            # the learned gate over every mode; the output criteria over the CDB modes that differ
-            modes = list(MODES_AUTO) if crit == "learned" else ["cb", "norefill", "refill_k1"]
+            # the learned gate over every mode; the output criteria over two CDB modes (CB runs full depth)
+            modes = list(MODES_AUTO) if crit == "learned" else ["norefill", "refill_k1"]  # CB: full depth
             grid = [(m, lay, la) for m in modes for lay in LAYOUTS for la in lookaheads(name) if runs(m, lay, la)]
             out += [(name, crit, m, lay, la, BATCHES[i % 3]) for i, (m, lay, la) in enumerate(grid)]
     return out

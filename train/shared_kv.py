@@ -72,8 +72,8 @@ from train.lora import add_lora, merge_lora
 
 def gate_logits_detached(model, state: torch.Tensor) -> torch.Tensor:
     """Gate scores whose gradient reaches only the gate head (Huginn's gate reads ln_f, an LM weight)."""
-    with torch.no_grad():
-        x = model.gate_features(state)
+    with torch.no_grad():  # detach too: Ouro's gate_features is the state itself, returned as it is
+        x = model.gate_features(state).detach()
     return model.stock_gate()(x).squeeze(-1)
 
 
