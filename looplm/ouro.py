@@ -18,32 +18,26 @@ from .model import AttendFor, LoopedLM
 
 
 class OuroLayer(nn.Module):
+    """A layer under the HF Llama names: Ouro's sandwich norms (the branch output normed again before
+    the residual add) or, for Nanbeige, plain pre-norm."""
+
     def __init__(self, cfg: LoopConfig):
         super().__init__()
         d = cfg.hidden_size
+        self.sandwich = cfg.family == "ouro"
         self.self_attn = Attention(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, fused=False)
         self.mlp = SwiGLU(d, cfg.intermediate_size, fused=False)
         self.input_layernorm = RMSNorm(d, cfg.norm_eps)
-        self.input_layernorm_2 = RMSNorm(d, cfg.norm_eps)
+        if self.sandwich:
+            self.input_layernorm_2 = RMSNorm(d, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
-        self.post_attention_layernorm_2 = RMSNorm(d, cfg.norm_eps)
+        if self.sandwich:
+            self.post_attention_layernorm_2 = RMSNorm(d, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
-        # sandwich norm: the branch output is normed again before the residual add
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, attend))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
-
-
-class NanbeigeLayer(nn.Module):
-    def __init__(self, cfg: LoopConfig):
-        super().__init__()
-        d = cfg.hidden_size
-        self.self_attn = Attention(d, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, fused=False)
-        self.mlp = SwiGLU(d, cfg.intermediate_size, fused=False)
-        self.input_layernorm = RMSNorm(d, cfg.norm_eps)
-        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
-
-    def forward(self, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, attend))
+            return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -51,9 +45,8 @@ class NanbeigeLayer(nn.Module):
 class OuroBody(nn.Module):
     def __init__(self, cfg: LoopConfig):
         super().__init__()
-        Layer = OuroLayer if cfg.family == "ouro" else NanbeigeLayer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_core))
+        self.layers = nn.ModuleList(OuroLayer(cfg) for _ in range(cfg.n_core))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if cfg.family == "ouro":
             self.early_exit_gate = nn.Linear(cfg.hidden_size, 1)

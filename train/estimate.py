@@ -62,7 +62,7 @@ from train.shared_kv import policy_for, training_loss
 
 aten = torch.ops.aten
 GB = 1e9
-BLOCKS = ("OuroLayer", "NanbeigeLayer", "SandwichBlock", "RavenBlock")  # FSDP2's units (train/shared_kv.py: _no_split_modules)
+BLOCKS = ("OuroLayer", "SandwichBlock", "RavenBlock")  # FSDP2's units (train/shared_kv.py: _no_split_modules)
 CATEGORIES = {"parameters": _MemRefType.PARAM, "gradients": _MemRefType.GRAD, "optimizer_state": _MemRefType.OPT,
               "activations": _MemRefType.ACT, "temporaries": _MemRefType.TEMP}
 

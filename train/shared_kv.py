@@ -868,7 +868,7 @@ def train(a, acc, tok_dir: Path, fsdp: bool) -> None:
     obj = SharedKVObjective(model, a, policy)
     # FSDP's transformer-based wrap (train/configs/*fsdp*.yaml, no class names there): one unit per
     # block; accelerate reads the class names from `_no_split_modules` and keeps the ones present
-    obj._no_split_modules = ["OuroLayer", "NanbeigeLayer", "SandwichBlock", "RavenBlock"]
+    obj._no_split_modules = ["OuroLayer", "SandwichBlock", "RavenBlock"]
     obj, opt, sched = acc.prepare(obj, opt, sched)
     fsdp2_units(obj)  # FSDP2: blocks stay gathered through a step (see there)
     param_bytes = local_param_bytes(obj)
