@@ -171,3 +171,39 @@ def test_add_gate_to_a_gateless_release(tmp_path, folder, teacher):
     got = run_staggered(eng, reqs, 7, join=0.5)
     for s, r in zip(got, want):
         assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths
+
+
+@pytest.mark.parametrize("name,crit", [("raven-llama-tiny", "learned"), ("raven-llama-tiny", "latent_diff"),
+                                       ("raven-olmo-tiny", "kl"), ("nanbeige-tiny", "learned")])
+@pytest.mark.parametrize("layout", ["shared", "last_exited"])
+def test_training_emulation_equals_reference_decoder(name, crit, layout):
+    """train/shared_kv.py's parallel emulation of the engine's KV layouts reaches, at its fixed point,
+    the sequential reference decoder's log-probs and exit depths (float64) for the new families too."""
+    from train.kv_emulation import converge
+    m = model(name)
+    thr = CRITERIA[name].get(crit, 0.5)
+    pol = ExitPolicy.from_config(m.cfg, criterion=crit, threshold=thr)
+    prompt = [3, 14, 15, 92]
+    forced = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    g = reference_generate(m, prompt, len(forced), pol, kv_layout=layout, forced_tokens=forced)
+    sw, _, _ = converge(m, torch.tensor([prompt + forced[:-1]]), pol, layout, prompt_len=len(prompt), max_sweeps=40,
+                        tol=0.0)
+    lp = torch.log_softmax(sw.exit_logits[0, len(prompt) - 1:], -1).gather(-1, torch.tensor(forced)[:, None])[:, 0]
+    assert (lp - torch.tensor(g.logprobs, dtype=torch.float64)).abs().max() < 1e-10
+    assert sw.depths[0, len(prompt) - 1:].tolist() == g.exit_depths
+
+
+def test_shared_kv_fine_tune_runs_on_a_retrofit(tmp_path):
+    """train/shared_kv.py adapts a retrofitted checkpoint (made by the reference code) to the shared
+    layout: a short run writes a folder of the same family that the engine serves."""
+    import numpy as np
+    from train.shared_kv import main
+    np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(1, 128, 6000).astype(np.uint16))
+    main(["--model", str(FIX / "retro_llama_b"), "--output", str(tmp_path / "out"), "--tokens", str(tmp_path / "tok.npy"),
+          "--steps", "2", "--batch", "2", "--ctx", "16", "--log-every", "1", "--eval-every", "0", "--eval-windows", "2",
+          "--threads", "1", "--warmup", "1", "--criterion", "latent_diff", "--threshold", "0.8",
+          "--no-wandb"])
+    m = load_pretrained(tmp_path / "out")
+    assert m.cfg.family == "raven_llama" and m.cfg.kv_layout == "shared"
+    out = LLM(m).generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
