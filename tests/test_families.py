@@ -16,7 +16,7 @@ from looplm.config import replace
 from looplm.io import build_model, read_config
 from looplm.presets import PAPER_MODELS, paper_config
 
-from helpers import MODES_AUTO, random_requests, run_staggered, runs, stable_seed
+from helpers import MODES, random_requests, run_staggered, runs, stable_seed
 
 # thresholds at which the tiny random models' exits spread over several depths (test_exits_vary)
 CRITERIA = {
@@ -36,8 +36,10 @@ def cases():
     out = []
     for name, crits in CRITERIA.items():
         for crit in crits:
-            # the learned gate over every mode; the output criteria over two CDB modes (CB runs full depth)
-            modes = list(MODES_AUTO) if crit == "learned" else ["norefill", "refill_k1"]  # CB: full depth
+            # the learned gate over CB and the CDB modes; the output criteria over two CDB modes (CB runs at
+            # full depth). K above any batch and K = "auto" are scheduling, the same for every family:
+            # tests/test_engine.py runs them
+            modes = ["cb", "norefill", "refill_k1", "refill_k4"] if crit == "learned" else ["norefill", "refill_k1"]
             grid = [(m, lay, la) for m in modes for lay in LAYOUTS for la in lookaheads(name) if runs(m, lay, la)]
             out += [(name, crit, m, lay, la, BATCHES[i % 3]) for i, (m, lay, la) in enumerate(grid)]
     return out
@@ -68,7 +70,7 @@ def test_engine_equals_reference(name, crit, mode, layout, lookahead, max_batch)
     eng = LLMEngine(model(name), EngineConfig(
         max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512, kv_layout=layout,
         exit_criterion=crit, exit_threshold=CRITERIA[name][crit], lookahead=lookahead,
-        pipeline=lookahead and mode != "cb" and max_batch != 3, async_scheduling=True, **MODES_AUTO[mode]))
+        pipeline=lookahead and mode != "cb" and max_batch != 3, async_scheduling=True, **MODES[mode]))
     seqs = run_staggered(eng, random_requests(seed % 3), seed, join=0.3)
     for i, (s, r) in enumerate(zip(seqs, want)):
         assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths, f"seed {seed}, request {i}"
