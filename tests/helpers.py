@@ -9,6 +9,7 @@ import zlib
 import torch
 
 from infer import SamplingParams
+from infer.engine.block_manager import kv_rows
 from infer.engine.sequence import Sequence, Stage
 from infer.engine.reference import reference_generate
 from looplm import ExitPolicy, tiny_model
@@ -204,7 +205,7 @@ class ContentRunner:
         self.bm, self.rows, self.host, self.rng = bm, {}, {}, rng or random.Random(0)
 
     def _rows(self, s, end):
-        return [self.bm.row(s.blocks, p) for p in range(end)]
+        return kv_rows(s.blocks, self.bm.block_size, end)
 
     def run(self, work):
         """A launch's writes and reads; a speculative stage (SPEC) returns its plan: per seq_id the
@@ -216,7 +217,7 @@ class ContentRunner:
         for s, last, toks in items:  # writes: a decode item its own row, a chunk its positions
             first = last if s in work.seqs else s.chunk[0]
             for p in range(first, last + 1):
-                self.rows[self.bm.row(s.blocks, p)] = tuple(toks[:p + 1])
+                self.rows[self._rows(s, p + 1)[p]] = tuple(toks[:p + 1])
         for s, last, toks in items:
             got = [self.rows.get(r) for r in self._rows(s, last + 1)]
             assert got == [tuple(toks[:p + 1]) for p in range(last + 1)], f"seq {s.seq_id} reads wrong rows"
@@ -228,7 +229,7 @@ class ContentRunner:
             drafts = [self.rng.randrange(3, 256) for _ in range(k - 1)]
             toks = s.prompt_ids + s.output_ids + drafts  # the input of position p0 + j is toks[p0 + j]
             for p in range(p0, p0 + k):
-                self.rows[self.bm.row(s.blocks, p)] = tuple(toks[:p + 1])
+                self.rows[self._rows(s, p + 1)[p]] = tuple(toks[:p + 1])
             for p in range(p0, p0 + k):  # each chunk position reads positions 0..itself
                 got = [self.rows.get(r) for r in self._rows(s, p + 1)]
                 assert got == [tuple(toks[:q + 1]) for q in range(p + 1)], f"seq {s.seq_id} reads wrong rows"

@@ -31,6 +31,12 @@ def block_hashes(ids: list[int], block_size: int, known: list[bytes]) -> list[by
     return known
 
 
+def kv_rows(blocks: list[int], block_size: int, n: int) -> list[int]:
+    """The KV rows of positions 0..n-1 of a sequence whose block table is `blocks`: the one place the
+    row of a position is computed (block `p // block_size`, offset `p % block_size`)."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_slots: int):
         if num_blocks < 1 or block_size < 1 or num_slots < 1:
@@ -146,5 +152,3 @@ class BlockManager:
     def all_free(self) -> bool:
         return self.num_free == self.num_blocks and len(self.free_slots) == self.num_slots
 
-    def row(self, blocks: list[int], pos: int) -> int:
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size

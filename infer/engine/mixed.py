@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .block_manager import kv_rows
 from .scheduler import Work
 from .sequence import Stage
 from .stages import Segment, TokenBatch
@@ -41,7 +42,7 @@ class Chunks:
         for s in work.chunks:
             a, e = s.chunk
             blocks = s.blocks
-            rows = t([blocks[p // B] * B + p % B for p in range(e)])  # KV rows of positions 0..e-1
+            rows = t(kv_rows(blocks, B, e))  # KV rows of positions 0..e-1
             step = s.step + 1 if work.stage is Stage.CORE else 1
             for part, x in zip(parts, (t(s.prompt_ids[a:e]), torch.arange(a, e, **long), rows[a:e],
                                        torch.full((e - a,), step, **long))):

@@ -30,7 +30,7 @@ from looplm.model import LoopedLM
 
 from . import mixed, speculative, stages
 from .batch_state import BatchState, padded_batch
-from .block_manager import BlockManager
+from .block_manager import BlockManager, kv_rows
 from . import graphs as graph_cache
 from .scheduler import Scores, SwapOp, Work
 from .swap import swap_ops
@@ -375,7 +375,7 @@ class ModelRunner:
             L, blocks = len(s.prompt_ids), s.blocks
             ids += s.prompt_ids
             pos += range(L)
-            rows += [blocks[p // B] * B + p % B for p in range(L)]  # the KV rows of positions 0..L-1
+            rows += kv_rows(blocks, B, L)
             sid += [i] * L
             last.append(len(ids) - 1)
         batch = TokenBatch(ids=self._t(ids), positions=self._t(pos), rows=self._t(rows),

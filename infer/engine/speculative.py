@@ -41,6 +41,7 @@ from looplm.model import LoopedLM
 from looplm.policy import ExitTracker
 
 from . import stages
+from .block_manager import kv_rows
 from .sequence import Sequence, Stage
 from .spec_plan import SpecPlan, spec_row
 from .stages import TokenBatch
@@ -76,8 +77,7 @@ def speculate(model: LoopedLM, layout: KVLayout, block_size: int, criterion: str
     B = block_size
     seq_rows = []  # per sequence: the KV rows of positions 0..p0+k-1
     for s, k in zip(seqs, ks):
-        tbl = torch.tensor(s.blocks, dtype=torch.long)
-        seq_rows.append((tbl[:, None] * B + torch.arange(B)).view(-1)[:s.num_tokens - 1 + k])
+        seq_rows.append(torch.tensor(kv_rows(s.blocks, B, s.num_tokens - 1 + k), dtype=torch.long))
     rows = torch.stack([seq_rows[b][p] for b, p in zip(owner, pos)])
     state = torch.zeros(M, cfg.hidden_size, dtype=model.dtype, device=dev)
     inj = torch.zeros_like(state) if cfg.arch == "huginn" else None

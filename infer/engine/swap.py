@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .block_manager import kv_rows
+
 if TYPE_CHECKING:
     from kv_layouts import KVLayout
 
@@ -32,8 +34,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def block_rows(blocks: list[int], block_size: int, device) -> torch.Tensor:
-    return torch.tensor([b * block_size + i for b in blocks for i in range(block_size)], dtype=torch.long,
-                        device=device)
+    return torch.tensor(kv_rows(blocks, block_size, len(blocks) * block_size), dtype=torch.long, device=device)
 
 
 def swap_ops(layout: KVLayout, bufs: list[torch.Tensor | None], block_size: int,
