@@ -200,16 +200,26 @@ class LLMEngine:
             return self._resolve(None, None)[0] if self._pending is not None else []
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
         out = self._timed(work) if self.scheduler.auto is not None else self._run(work)
-        # Re-entry: the ids of the last stage that emitted are read now that the device has this launch
-        # queued behind it (a prelude's is too short to hide the host's output processing behind:
-        # the next launch, a core step, does)
-        resolved: list[Sequence] = []
+        resolved, out = self._reenter(work, out)
+        emitted = self._process(work, out)
+        self._count(work, out, record)
+        return resolved + emitted if resolved else emitted
+
+    def _reenter(self, work: Work, out):
+        """On-device token re-entry: the ids of the last stage that emitted are read now that the device
+        has this launch queued behind it (a prelude's is too short to hide the host's output processing
+        behind: the next launch, a core step, does). Returns the sequences resolved and the output."""
         if self._pending is not None and work.stage is not Stage.PRELUDE:
-            resolved, out = self._resolve(work, out)
-        if work.stage not in EMITS:  # a core step's exit scores (preloop: the prelude's CDFs)
+            return self._resolve(work, out)
+        return [], out
+
+    def _process(self, work: Work, out) -> list[Sequence]:
+        """The output path: a core step's exit scores (preloop: the prelude's CDFs) go to the scheduler;
+        an emitting stage's logits become tokens, now or, with re-entry, one launch later (`defer`).
+        Returns the sequences whose token the host learnt now."""
+        if work.stage not in EMITS:
             self.scheduler.postprocess(work, scores=out)
-            self._count(work, out, record)
-            return resolved
+            return []
         if self.config.async_scheduling and self.processor.can_defer(work, out):
             self._pending, finished = self.processor.defer(work, out, self.runner)
             emitted: list[Sequence] = []
@@ -217,8 +227,7 @@ class LLMEngine:
             finished = self.processor.process(work, out)
             emitted = work.seqs + work.finals if work.finals else work.seqs
         self.scheduler.postprocess(work, finished=finished)
-        self._count(work, out, record)
-        return resolved + emitted if resolved else emitted
+        return emitted
 
     def _resolve(self, work: Work | None, out):
         """Read the pending ids (OutputProcessor.resolve) and apply their stops: a sequence that
