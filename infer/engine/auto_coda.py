@@ -252,13 +252,20 @@ class AutoCoda:
         self.catch_up()
         self._observe(stage, batch, seconds, idle, slots, chunks)
 
+    def queue(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int, chunks: bool) -> None:
+        """`observe`, deferred: the launch joins `pending`, learned when a decision reads the table
+        (catch_up) or once CATCH_UP launches have gathered. The engine calls this at every launch."""
+        self.pending.append((stage, batch, seconds, idle, slots, chunks))
+        if len(self.pending) >= CATCH_UP:
+            self.catch_up()
+
     def catch_up(self) -> None:
         """Learn the launches pending, in launch order."""
         p = self.pending
         if p:
             for launch in p:
                 self._observe(*launch)
-            p.clear()  # (in place: the engine keeps appending to this list)
+            p.clear()
 
     def _observe(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int,
                  chunks: bool) -> None:

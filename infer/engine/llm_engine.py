@@ -18,7 +18,7 @@ from looplm.errors import ParamError
 from looplm.model import LoopedLM
 from looplm.policy import ExitTracker
 
-from .auto_coda import CATCH_UP, AutoCoda, LaunchTimer
+from .auto_coda import AutoCoda, LaunchTimer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
@@ -124,11 +124,10 @@ class LLMEngine:
         self.on_launch: list[Callable[[Work, float | None], None]] = []
         # score_reads: stages whose exit scores the host read back (core steps; the prelude under the
         # preloop criterion, which reads each depth once and no core step's scores)
-        self.stats = {"tokens": 0, "depth_sum": 0, "stage_calls": {}, "score_reads": {"core": 0, "prelude": 0},
-                      "speculative": dict.fromkeys(("stages", "verifications", "drafted", "accepted", "rejected", "emitted",
-                                                    "verified_tokens", "draft_launches", "verify_launches"), 0)}
-        # logits -> tokens, depths, log-probs, text, stop rules, finish (output.py)
-        self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, cfg.r_max, c.seed, self.stats)
+        self.stats = {"stage_calls": {}, "score_reads": {"core": 0, "prelude": 0}}
+        # logits -> tokens, depths, log-probs, text, stop rules, finish (output.py); it counts what it
+        # emitted (processor.stats: decode tokens, their depths, speculation)
+        self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, cfg.r_max, c.seed)
         # on-device token re-entry (c.async_scheduling): the ids of the last stage that emitted, still on
         # the device; read after the next launch that is not a prelude (step, _resolve)
         self._pending: Pending | None = None
@@ -261,7 +260,7 @@ class LLMEngine:
     def _timed(self, work: Work):
         """A launch whose cost min_coda_batch="auto" learns (auto_coda.py): a virtual runner's priced
         seconds; on a CPU the wall clock (launches are synchronous); on CUDA its events, read once
-        done at a later step (LaunchTimer). Queued (AutoCoda.pending) with the exits that waited
+        done at a later step (LaunchTimer). Queued (AutoCoda.queue) with the exits that waited
         through it and the running sequences (Scheduler.idle, inline: this runs at every launch)."""
         sch = self.scheduler
         idle = len(sch.coda_q)
@@ -272,10 +271,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             out = self._run(work)
             secs = self.runner.last_seconds if self._virtual else time.perf_counter() - t0
-        pending = sch.auto.pending  # (learned when a decision reads the table: AutoCoda.catch_up)
-        pending.append((work.stage, len(work.seqs), secs, idle, slots, bool(work.chunks)))
-        if len(pending) >= CATCH_UP:
-            sch.auto.catch_up()
+        sch.auto.queue(work.stage, len(work.seqs), secs, idle, slots, bool(work.chunks))
         return out
 
     def _timed_cuda(self, work: Work):
@@ -313,7 +309,7 @@ class LLMEngine:
         more than one position verified and the tokens they gave, tokens drafted / accepted /
         emitted, draft and verify launches; and the two rates. `since`: an earlier result, whose
         counts are subtracted (one benchmark pass on a reused engine). metrics() shows them as spec_*."""
-        sp = {k: v - (since or {}).get(k, 0) for k, v in self.stats["speculative"].items()}
+        sp = {k: v - (since or {}).get(k, 0) for k, v in self.processor.stats["speculative"].items()}
         return speculative_rates(sp)
 
     def _swap(self, ops: list) -> None:
@@ -390,7 +386,8 @@ class LLMEngine:
 
     @property
     def mean_exit_depth(self) -> float:
-        return self.stats["depth_sum"] / max(1, self.stats["tokens"])
+        out = self.processor.stats
+        return out["depth_sum"] / max(1, out["tokens"])
 
     def auto_coda_metrics(self) -> dict | None:
         """What min_coda_batch="auto" decided so far (AutoCoda.describe); None under a fixed K."""
@@ -403,9 +400,10 @@ class LLMEngine:
         return {**(_auto_coda_gauges(auto) if auto else {}),
                 "running": self.scheduler.num_running, "queues": self.scheduler.queue_lengths(),
                 "kv_usage": b.usage, "kv_free_blocks": b.num_free, "kv_total_blocks": b.num_blocks,
-                "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth, "decode_tokens": self.stats["tokens"],
+                "kv_all_free": b.all_free, "mean_exit_depth": self.mean_exit_depth,
+                "decode_tokens": self.processor.stats["tokens"],
                 "stage_calls": dict(self.stats["stage_calls"]),
-                "core_score_reads": self.stats["score_reads"]["core"],
+                "core_score_reads": self.stats["score_reads"]["core"] + self.processor.stats["spec_core_reads"],
                 "prelude_score_reads": self.stats["score_reads"]["prelude"],
                 **{f"spec_{k}": v for k, v in self.speculative_metrics().items()}, **self.memory_metrics()}
 

@@ -56,11 +56,16 @@ class Pending(NamedTuple):
 
 
 class OutputProcessor:
-    def __init__(self, sampler: Sampler, tokenizer, r_full: int, seed: int, stats: dict):
-        """`r_full`: the depth of a prompt's first token; `stats`: the engine's token counters
-        (`tokens`, `depth_sum`: decode tokens only)."""
+    def __init__(self, sampler: Sampler, tokenizer, r_full: int, seed: int):
+        """`r_full`: the depth of a prompt's first token."""
         self.sampler, self.tokenizer = sampler, tokenizer
-        self.r_full, self.seed, self.stats = r_full, seed, stats
+        self.r_full, self.seed = r_full, seed
+        # the counters of what it emitted, which the engine's metrics read: `tokens` and `depth_sum` (decode
+        # tokens only), speculative stages' counters and the score reads of their core launches
+        self.stats = {"tokens": 0, "depth_sum": 0, "spec_core_reads": 0,
+                      "speculative": dict.fromkeys(("stages", "verifications", "drafted", "accepted", "rejected",
+                                                    "emitted", "verified_tokens", "draft_launches",
+                                                    "verify_launches"), 0)}
         self.sampling: set[int] = set()  # seq_ids of the unfinished requests that sample (Sequence.sampled)
         self.extras: set[int] = set()  # seq_ids of the unfinished requests with extras (Sequence.extras)
         # seq_ids of the unfinished requests whose token only the host can choose or score: teacher
@@ -95,7 +100,7 @@ class OutputProcessor:
         return self._apply(seqs, chosen, depths, logits, now)
 
     def _depths(self, work: Work, seqs: list[Sequence], now: float, prompt: dict | None = None) -> list[int]:
-        """The exit depth of each row of a stage that emits, counted into the engine's stats: a
+        """The exit depth of each row of a stage that emits, counted into `stats`: a
         decode item's loop steps (fused: the iteration's); a prompt's first token is at full depth
         (a prefill's prompt has no loop steps, a final chunk has r_full). Stamps the prompts' first
         token time (`now`; None: when its id is read) and their prompt log-probs."""
@@ -217,7 +222,7 @@ class OutputProcessor:
         """A speculative stage's outcome (speculative.py): each sequence's verified tokens in order,
         window position by window position, as coda rows (sampling, stop rules, log-probs), stopping
         a sequence at its first rejected draft: position i+1's row counts only if its drafted
-        input equals the token just emitted from position i. Counts the stage into the engine's
+        input equals the token just emitted from position i. Counts the stage into the
         speculation counters (`stats["speculative"]`: drafted and accepted tokens, drafts rejected
         (the windows that ended at one), emitted tokens, verified windows (of more than one
         position) and the tokens they gave, its draft and verify launches) and its core launches'
@@ -255,7 +260,7 @@ class OutputProcessor:
         for phase, n in out.launches.items():
             sp[phase + "_launches"] += n
         sp["stages"] += 1
-        stats["score_reads"]["core"] += sum(r["score_reads"] for r in out.rows)
+        stats["spec_core_reads"] += sum(r["score_reads"] for r in out.rows)
         return finished
 
     def _extras(self, seqs: list[Sequence], chosen: list[int], logits: torch.Tensor) -> None:
