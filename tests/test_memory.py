@@ -46,7 +46,7 @@ def test_preemption_is_exact(mode, layout, lookahead, arch):
     assert ample.metrics()["preemptions"] == 0 and m["preemptions"] >= len(reqs) // 2, m
     assert m["swap_bytes"] > 0 and m["swapped_in_blocks"] == m["swapped_out_blocks"]
     assert_same(want, got, tol=1e-9)
-    assert small.blocks.all_free and not small.runner.__dict__.get("_host_swap")
+    assert small.blocks.all_free and not small.runner.host_swap
     if layout != "full_depth" and mode != "cb":
         assert exits_vary(want, 2)  # exits really vary
 

@@ -116,7 +116,7 @@ def test_prefix_caching_with_preemption_is_exact(mode, lookahead):
     assert m["preemptions"] >= 1 and m["prefix_cache_hits"] > 0, m
     assert m["swapped_in_blocks"] == m["swapped_out_blocks"]
     assert_same(want, got)
-    assert eng.blocks.all_free and not eng.runner.__dict__.get("_host_swap")
+    assert eng.blocks.all_free and not eng.runner.host_swap
 
 
 def test_paged_decode_attention_reads_shared_blocks():

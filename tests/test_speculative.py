@@ -75,7 +75,7 @@ def test_speculation_with_preemption_is_exact(arch, mode, lookahead):
     m = eng.metrics()
     assert m["preemptions"] > 0 and m["spec_verifications"] > 0, m
     assert_same(want, got, tol=1e-10)
-    assert eng.blocks.all_free and not eng.runner.__dict__.get("_host_swap")
+    assert eng.blocks.all_free and not eng.runner.host_swap
 
 
 @pytest.mark.parametrize("arch", ARCHS)

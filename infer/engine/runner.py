@@ -124,6 +124,8 @@ class ModelRunner:
         self.rule = score_rule(criterion, self.cfg)  # the score arithmetic (lookahead head: its teacher's)
         self.preloop = criterion == "preloop"
         self.aux = initial_aux(self.rule, S, self.cfg.vocab_size, self.device)
+        # preemption's host copies (swap.py): per swapped-out sequence, its KV rows and state slot
+        self.host_swap: dict[int, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         # the per-slot decode metadata (positions, loop steps, block tables) and the upload
         self.batch_state = bs = BatchState(S, blocks.block_size, self.cfg.max_position, blocks.num_blocks,
                                            self.layout.scratch_row,
@@ -397,9 +399,9 @@ class ModelRunner:
     @torch.inference_mode()
     def swap(self, ops: list[SwapOp]) -> None:
         """Run the scheduler's swap operations in order (see infer/engine/swap.py)."""
-        host = self.__dict__.setdefault("_host_swap", {})
         # (the re-entry token too: a sequence swapped out before its next prelude embeds it from its new slot)
-        swap_ops(self.layout, [self.state, self.inj, self.aux, self.batch_state.tok], self.blocks.block_size, host, ops)
+        swap_ops(self.layout, [self.state, self.inj, self.aux, self.batch_state.tok], self.blocks.block_size,
+                 self.host_swap, ops)
         for op in ops:
             if op.kind == "in":
                 self.batch_state.invalidate(op.slot)  # its block table and loop state are rewritten at its next stage
