@@ -174,17 +174,10 @@ class KVAttention:
 
 def prefill(model: LoopedLM, layout: KVLayout, batch: TokenBatch, last_index: torch.Tensor,
             num_steps: int | None = None) -> torch.Tensor:
-    """Whole prompts at full depth, depth-major; writes every layer's KV for every prompt position.
-    Returns the logits of the positions in `last_index` [B] -> [B, V]."""
-    rope = batch.rope(model)
-    att = KVAttention(layout, batch)
-    state, inj = model.prelude(batch.ids, rope, att)
-    for s in range(1, (num_steps or model.cfg.r_max) + 1):
-        att.step = s
-        state = model.core_step(state, inj, rope, att)
-    att.step = None
-    hidden = model.coda(state, rope, att)  # every position: the coda's KV is needed later
-    return model.head(hidden[last_index])
+    """Whole prompts at full depth, depth-major; writes every layer's KV for every prompt position
+    (the coda's too: it is needed later). Returns the logits of the positions in `last_index` [B] ->
+    [B, V]. The same math as CB's iteration, `fused`, over prompt positions."""
+    return fused(model, layout, batch, num_steps or model.cfg.r_max, last_index)
 
 
 def prelude(model: LoopedLM, layout: KVLayout, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
