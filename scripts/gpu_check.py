@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 from infer import EngineConfig, LLMEngine, SamplingParams
+from infer.bench.drive import run_staggered
 from infer.bench.offline import make_engine, pick_raw, run_engine, untraced_timing
 from infer.engine import graphs as graph_cache
 from infer.engine.memory import activation_reserve, launch_peaks
@@ -497,22 +498,6 @@ def build_engine(m, kw: dict, dev: torch.device) -> LLMEngine:
     return eng
 
 
-def drive_staggered(eng: LLMEngine, adds: list[dict], seed: str) -> list:
-    """Requests (add_request's keywords) join a running engine 1-3 at a time at seeded steps
-    (admissions mid-decode, mixed launches beside graph replays); returns their sequences, done."""
-    rng, pending, seqs, steps = random.Random(seed), list(adds), [], 0
-    while pending or eng.has_unfinished():
-        steps += 1
-        if steps > 20000:  # a hang would spend the GPU's one run
-            raise RuntimeError("the engine made no progress in 20000 steps")
-        if pending and (not eng.has_unfinished() or rng.random() < 0.4):
-            for _ in range(rng.randint(1, 3)):
-                if pending:
-                    seqs.append(eng.add_request(**pending.pop(0)))
-        eng.step()
-    return seqs
-
-
 def parity_model(arch: str, dev: torch.device):
     """The float64 tiny model of `arch` (frozen, as loaders leave a model); a 64-token context holds
     every parity request (<= 50 tokens) and keeps the graphs' context buckets to three."""
@@ -606,7 +591,7 @@ def parity_float64(run: Run, dev: torch.device, prior_s: float, until: float) ->
         eng = build_engine(m, {"kv_layout": layout, **PARITY_ENGINE, **variants[name]}, dev)
         where = f"parity_float64/{key}"
         check_autograd(run, eng, where, "start-up")
-        seqs = drive_staggered(eng, [dict(prompt=p, params=SamplingParams(max_tokens=n, ignore_eos=True))
+        seqs = run_staggered(eng, [dict(prompt=p, params=SamplingParams(max_tokens=n, ignore_eos=True))
                                      for p, n in reqs], seed=key)
         outs = [eng.output(s) for s in seqs]  # (what the host has read: with async scheduling, every token once idle)
         check_autograd(run, eng, where, "its passes")
@@ -670,18 +655,18 @@ def paged_case(run: Run, key: str, m64, dtype: torch.dtype, layout: str, reqs, d
             eng = LLMEngine(m, EngineConfig(**settings, attention_backend=backend))
         where = f"parity_paged/{key}/{backend}"
         check_autograd(run, eng, where, "start-up")
-        seqs = drive_staggered(eng, adds(eng), seed=key)
+        seqs = run_staggered(eng, adds(eng), seed=key)
         got[backend] = {"tokens": [list(s.output_ids) for s in seqs], "logprobs": [list(s.logprobs) for s in seqs],
                         "top": [list(s.top_logprobs) for s in seqs], "depths": [list(s.exit_depths) for s in seqs],
                         "graph_capture": eng.graph_capture}
         if backend == "paged":
             got["paged_forced"] = [list(s.logprobs) for s in
-                                   drive_staggered(eng, adds(eng, got["sdpa"]["tokens"]), seed=key)]
+                                   run_staggered(eng, adds(eng, got["sdpa"]["tokens"]), seed=key)]
         check_autograd(run, eng, where, "its passes")
         eng = seqs = None
         free_device(dev)
     eng = LLMEngine(m64, EngineConfig(**{**settings, "cuda_graphs": False}, attention_backend="sdpa"))
-    lp64 = [list(s.logprobs) for s in drive_staggered(eng, adds(eng, got["sdpa"]["tokens"]), seed=key)]
+    lp64 = [list(s.logprobs) for s in run_staggered(eng, adds(eng, got["sdpa"]["tokens"]), seed=key)]
     eng = None
     name = str(dtype).removeprefix("torch.")
     tol = TOLERANCE[name]

@@ -9,6 +9,7 @@ import zlib
 import torch
 
 from infer import SamplingParams
+from infer.bench import drive
 from infer.engine.block_manager import kv_rows
 from infer.engine.sequence import Sequence, Stage
 from infer.engine.reference import reference_generate
@@ -106,22 +107,12 @@ def engine_settings(mode, layout, lookahead, pipeline=None, async_scheduling=Tru
 
 
 def run_staggered(eng, reqs, seed, join=0.4, burst=3, **params):
-    """Run `reqs` [(prompt, max_tokens)]: at each step, with probability `join` (always when the
-    engine is idle), 1..`burst` more arrive. Returns the Sequences in input order. `params`: more
-    SamplingParams for every request (default: ignore_eos, logprobs)."""
-    rng = random.Random(seed)
-    pending, seqs, steps = list(enumerate(reqs)), {}, 0
-    while pending or eng.has_unfinished():
-        if pending and (not eng.has_unfinished() or rng.random() < join):
-            for _ in range(rng.randint(1, burst)):
-                if pending:
-                    i, (p, n) = pending.pop(0)
-                    seqs[i] = eng.add_request(p, SamplingParams(**{"ignore_eos": True, "logprobs": True, **params,
-                                                                   "max_tokens": n}))
-        eng.step()
-        steps += 1
-        assert steps < 20000, "engine made no progress"
-    return [seqs[i] for i in range(len(reqs))]
+    """Run `reqs` [(prompt, max_tokens)] with staggered arrivals (infer.bench.drive). Returns the
+    Sequences in input order. `params`: more SamplingParams for every request (default: ignore_eos,
+    logprobs)."""
+    adds = [dict(prompt=p, params=SamplingParams(**{"ignore_eos": True, "logprobs": True, **params, "max_tokens": n}))
+            for p, n in reqs]
+    return drive.run_staggered(eng, adds, seed, join=join, burst=burst)
 
 
 def triples(seqs):
