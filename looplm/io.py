@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import LoopConfig
+from .config import LoopConfig, replace
 from .huginn import HuginnLM
 from .model import LoopedLM
 from .ouro import OuroLM
@@ -69,9 +69,12 @@ def tensor_names(folder: Path) -> set[str]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         return set(json.loads(index.read_text())["weight_map"])
+    try:
+        files = _tensor_files(folder)
+    except FileNotFoundError:
+        return set()
     names: set[str] = set()
-    for f in [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else \
-            sorted(folder.glob("model*.safetensors")):
+    for f in files:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 names.update(fh.keys())
@@ -88,7 +91,6 @@ def read_config(folder: Path) -> LoopConfig:
     except ValueError as e:  # name the file unless the message already does
         raise ValueError(str(e) if str(folder) in str(e) else f"{folder / 'config.json'}: {e}") from None
     if cfg.family == "raven_llama" and any(".attn.q_norm." in k for k in tensor_names(folder)):
-        from .config import replace
         cfg = replace(cfg, family="raven_olmo")
     return cfg
 
@@ -119,7 +121,6 @@ def load_pretrained(path_or_hub_id: str | os.PathLike, dtype: str | torch.dtype 
         raise FileNotFoundError(f"{folder}: no config.json (not a checkpoint folder)")
     cfg = read_config(folder)
     if overrides:
-        from .config import replace
         cfg = replace(cfg, **overrides)
     state = load_state(folder)
     if layer_split is not None:
