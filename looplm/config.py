@@ -163,27 +163,21 @@ class LoopConfig:
             ours["preloop_depths"] = self.preloop_depths
         if self.family == "raven_olmo":  # the only family its config.json cannot name (io.py reads the tensors)
             ours["loop_family"] = self.family
-        if self.family == "nanbeige":
+        if self.family == "nanbeige" or self.arch == "ouro":  # Llama-style keys, then each one's loop count
+            nanbeige = self.family == "nanbeige"
             d = {
-                "model_type": "nanbeige", "architectures": ["NanbeigeForCausalLM"],
+                "model_type": "nanbeige" if nanbeige else "ouro",
+                "architectures": ["NanbeigeForCausalLM" if nanbeige else "OuroForCausalLM"],
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "num_hidden_layers": self.n_core,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
                 "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position,
-                "tie_word_embeddings": self.tie_embeddings, "num_loops": self.r_max,
+                "tie_word_embeddings": self.tie_embeddings,
             }
-        elif self.arch == "ouro":
-            d = {
-                "model_type": "ouro", "architectures": ["OuroForCausalLM"],
-                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.n_core,
-                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
-                "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position,
-                "tie_word_embeddings": self.tie_embeddings, "total_ut_steps": self.r_max,
-                "early_exit_threshold": 1.0 if self.exit_threshold is None else self.exit_threshold,
-            }
+            d.update({"num_loops": self.r_max} if nanbeige else {
+                "total_ut_steps": self.r_max,
+                "early_exit_threshold": 1.0 if self.exit_threshold is None else self.exit_threshold})
         else:
             d = {
                 "model_type": "huginn_raven", "architectures": ["RavenForCausalLM"],

@@ -2,6 +2,7 @@
 vectorised exit decisions (the semantics of looplm/exits.py), held-out evaluation, wandb setup."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -270,3 +271,13 @@ def ppl_per_depth(out: dict[str, torch.Tensor]) -> list[float]:
     if "mask" in out:
         return [round(math.exp(x), 3) for x in (out["ce"] * out["mask"]).flatten(1).sum(1).div(out["mask"].sum()).tolist()]
     return [round(math.exp(x), 3) for x in out["ce"].flatten(1).mean(1).tolist()]
+
+
+def fingerprint(model) -> str:
+    """sha256 of a model's weights (names and float32 values, sorted): equal on every rank that holds the
+    same weights (the runs' summary.json)."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

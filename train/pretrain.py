@@ -33,8 +33,8 @@ from looplm.io import build_model, load_tokenizer, save_pretrained
 from looplm.presets import init_weights
 from train import cli
 from looplm.cli import UserError
-from train.common import (CORPUS, TOKENIZER, History, collect_outputs, docs_attend_for, eval_windows, init_wandb,
-                          logits_of, ppl_per_depth, run_loop, summarize_exit, token_ce)
+from train.common import (CORPUS, TOKENIZER, History, collect_outputs, docs_attend_for, eval_windows, fingerprint,
+                          init_wandb, logits_of, ppl_per_depth, run_loop, summarize_exit, token_ce)
 from train.datasource import Tokens, add_dataset_args, dataset_kwargs, from_corpus, from_dataset, from_npy, summary
 
 
@@ -334,15 +334,6 @@ def identity(a, world_size: int) -> dict:
             if a.dataset else
             {"tokens": str(a.tokens)} if a.tokens else {"corpus": str(a.corpus)})
     return {**{k: getattr(a, k) for k in keys}, "data": data, "world_size": world_size}
-
-
-def fingerprint(model) -> str:
-    import hashlib
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main(argv=None) -> None:

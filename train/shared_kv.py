@@ -62,7 +62,7 @@ from looplm.io import load_pretrained, load_tokenizer, model_from_state, resolve
 from looplm.policy import ExitPolicy
 from train import cli
 from looplm.cli import UserError
-from train.common import TOKENIZER, History, init_wandb, token_ce
+from train.common import TOKENIZER, History, fingerprint, init_wandb, token_ce
 from train.datasource import Tokens, add_dataset_args, dataset_kwargs, from_corpus, from_dataset, from_npy, summary
 from train.kv_emulation import LAYOUTS, Sweep, converge, sweep
 from train.packing import prompt_from_targets, prompt_positions
@@ -506,14 +506,6 @@ def choose_threshold(model, windows, a, masks=None, docs=None) -> tuple[float, l
         grid.append({"threshold": q, **r})
     best = min(grid, key=lambda r: abs(r["mean_depth"] - a.target_mean_depth))
     return best["threshold"], grid
-
-
-def fingerprint(model) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def latest_ckpt(out: Path) -> Path | None:

@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=120, help="engine steps timed per batch size and policy")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="passes per batch size; each stage kind reports the pass "
-                   "with the lowest median (the machine's noise only adds time)")
+    # each stage kind reports the pass with the lowest median (the machine's noise only adds time)
+    p.add_argument("--repeats", type=int, default=3, help="passes per batch size (the lowest median is reported)")
     p.add_argument("--onto", type=Path, default=None, metavar="FILE",
                    help="keep FILE's synchronous tables (a committed host table that simulator figures were made "
                         "with) and put this run's re-entry table onto it: each entry x FILE's / this run's "

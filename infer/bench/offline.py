@@ -371,12 +371,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--record-exits", type=Path, metavar="FILE",
                    help="first record every token's exit scores under the engine's policy into FILE (infer/bench/"
                         "replay.py; with --r-min R_MAX every step's score, replayable at any policy)")
-    p.add_argument("--replay-exits", type=Path, metavar="FILE",
-                   help="every mode uses the exit depths FILE's scores decide (at --exit-threshold / --r-min, else "
-                        "the recorded ones) and its requests' lengths")
-    p.add_argument("--pool", action="store_true",
-                   help="with --replay-exits: replay all the file's workloads as one request stream, `all` (an "
-                        "evaluation's tasks, served together as lm-eval sends them)")
+    RP.add_args(p, "every mode uses the exit depths FILE's scores decide (at --exit-threshold / --r-min, else the "
+                   "recorded ones) and its requests' lengths")
     # the modes set policy / refill / min_coda_batch / full_depth; a CPU-sized batch by default
     add_engine_args(p, skip=("policy", "refill", "min_coda_batch", "full_depth", "trace", "seed"))
     p.set_defaults(max_batch_size=32)
@@ -392,11 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     if a.record_exits and a.replay_exits:
         p.error("--record-exits and --replay-exits: record first, then replay in another run")
-    replay = RP.load(a.replay_exits) if a.replay_exits else None
-    if a.pool:
-        if replay is None:
-            p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
-        replay = RP.pooled(replay)
+    replay = RP.from_args(p, a)
     workloads = a.workloads or (list(replay["workloads"]) if replay else list(WORKLOADS))
     if a.device.startswith("emulated:"):
         if a.record_exits:

@@ -75,12 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="charge each launch's host time and device time in series (the simulator before on-device "
                         "token re-entry); default: the host works beside the device and waits only where the engine "
                         "reads results (SimRunner)")
-    p.add_argument("--replay-exits", type=Path, metavar="FILE",
-                   help="a recorded-exits file (infer.bench --record-exits): its requests' lengths and the depths "
-                        "its scores decide, instead of --mean-depth's binomial and the trace")
-    p.add_argument("--pool", action="store_true",
-                   help="with --replay-exits: replay all the file's workloads as one request stream, `all` (an "
-                        "evaluation's tasks, served together as lm-eval sends them)")
+    RP.add_args(p, "a recorded-exits file (infer.bench --record-exits): its requests' lengths and the depths its "
+                   "scores decide, instead of --mean-depth's binomial and the trace")
     p.add_argument("--replay-threshold", type=float, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--replay-r-min", type=int, default=None, help="with --replay-exits: default the recorded")
     p.add_argument("--seed", type=int, default=0)
@@ -113,9 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                                    indent=1, default=float))
         print(f"json: {path}")
         return
-    if a.pool and a.replay_exits is None:
-        p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
-    if a.replay_exits is None:  # a shipped name or a CSV length trace (with --replay-exits: the file's names)
+    replay = RP.from_args(p, a)
+    if replay is None:  # a shipped name or a CSV length trace (with --replay-exits: the file's names)
         try:
             for w in a.workloads or ():
                 load_trace(w)
@@ -131,9 +126,6 @@ def main(argv: list[str] | None = None) -> None:
     layout = EngineConfig(**engine).resolve(cfg).kv_layout  # the cost model prices the layout the engine runs
     engine.setdefault("kv_cache_tokens", h100_kv_tokens(cfg, layout, memory=gpu["memory"]))
     ctx = served_context(cfg, engine)
-    replay = RP.load(a.replay_exits) if a.replay_exits else None
-    if a.pool:
-        replay = RP.pooled(replay)
     if replay is not None:
         rs = RP.engine_settings(replay, {"exit_threshold": a.replay_threshold, "r_min": a.replay_r_min})
         pol = ExitPolicy(rs["exit_criterion"], rs["exit_threshold"], rs["r_min"], cfg.r_max, bool(a.lookahead))

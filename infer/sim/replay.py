@@ -37,6 +37,25 @@ from .workloads import FIRST_ID, Request
 FORMAT = "looplm-exits/1"
 
 
+def add_args(p, replay_help: str) -> None:
+    """--replay-exits FILE and --pool on a command line (the bench's, the simulator's); `from_args` reads them."""
+    p.add_argument("--replay-exits", type=Path, metavar="FILE", help=replay_help)
+    p.add_argument("--pool", action="store_true",
+                   help="with --replay-exits: replay all the file's workloads as one request stream, `all` (an "
+                        "evaluation's tasks, served together as lm-eval sends them)")
+
+
+def from_args(p, a) -> dict | None:
+    """The recorded-exits file --replay-exits names (pooled under --pool), or None; a parser error for --pool
+    without a file."""
+    if a.pool and a.replay_exits is None:
+        p.error("--pool needs --replay-exits FILE (it pools the file's workloads)")
+    if a.replay_exits is None:
+        return None
+    doc = load(a.replay_exits)
+    return pooled(doc) if a.pool else doc
+
+
 class RecordingTracker(ExitTracker):
     """An ExitTracker that keeps every score it reads: `rows[i]` holds the scores after loop steps
     1, 2, ... of the sequence's i-th decode token (its output token i + 1; output 0 comes from the
