@@ -345,3 +345,24 @@ def test_sim_charges_swaps_at_pcie_bandwidth():
     assert m["preemptions"] > 0 and m == m2
     assert slow.swap_seconds == pytest.approx(m["swap_bytes"] / 1e10)
     assert slow.clock - fast.clock == pytest.approx(slow.swap_seconds - fast.swap_seconds)
+
+
+# ---------------------------------------------------------------------------------- vs the HF reference
+def test_reference_bench_engine_side_on_ouro_demo():
+    """infer/bench/reference.py's engine side (the reference side needs its scratch venv): the prompts fit the
+    context with room for the new tokens; CB runs at full depth with one fused launch per token step; CDB
+    with the checkpoint's trained exits exits earlier; the ratio rows read each mode's paired reference."""
+    from pathlib import Path
+
+    from infer.bench import reference as ref
+    model = str(Path(ref.ROOT) / "checkpoints" / "ouro-demo")
+    ps = ref.prompts(model, 4, 8, ref.ALPACA)
+    assert len(ps) == 4 and all(0 < len(p) <= 128 - 8 for p in ps)
+    job = {"prompts": ps, "batch": 4, "new_tokens": 8, "threads": 1}
+    cb = ref.engine_worker(model, {**job, "mode": "cb"})
+    cdb = ref.engine_worker(model, {**job, "mode": "cdb"})
+    assert [len(o) for o in cb["outputs"]] == [8] * 4 and cb["mean_exit_depth"] == 4.0
+    assert set(cb["stage_calls"]) == {"fused"} and cb["stage_calls"]["fused"] == 8  # the prompts ride in the first
+    assert cdb["mean_exit_depth"] < 4.0 and set(cdb["stage_calls"]) == {"prelude", "core", "coda"}
+    with pytest.raises(SystemExit, match="unknown mode 'xx'"):
+        ref.main(["--ref-python", "python", "--ref-code", ".", "--runs", "xx:4"])
