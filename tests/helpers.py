@@ -260,7 +260,7 @@ def check_blocks(sch, bm):
     assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
     for s in sch.preemption.holders():
         assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.STALLED)
-    for s in holders:  # Sequence.room follows every table change
+    for s in holders:  # Sequence.room follows every table change (the BlockManager keeps it)
         assert s.room == len(s.blocks) * bm.block_size - len(s.prompt_ids)
 
 

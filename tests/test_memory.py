@@ -11,7 +11,7 @@ from infer import EngineConfig, LLMEngine, SamplingParams
 from infer.engine.block_manager import BlockManager
 from infer.engine.config import CPU_KV_MEMORY
 from infer.engine.scheduler import Scheduler
-from infer.engine.sequence import Stage
+from infer.engine.sequence import Sequence, Stage
 from looplm import ExitPolicy, tiny_model
 from looplm.model import LoopedLM
 
@@ -177,7 +177,7 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
         assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
         for s in holders:
             assert len(s.blocks) * 4 >= s.position + 1 - (s.stage is Stage.STALLED)
-            assert s.room == len(s.blocks) * 4 - len(s.prompt_ids)  # Sequence.room follows every table change
+            assert s.room == len(s.blocks) * 4 - len(s.prompt_ids)  # Sequence.room follows every table change (the BlockManager keeps it)
         steps += 1
         assert steps < 100000, "deadlock"
         if work is None:
@@ -188,6 +188,30 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
     assert all(s.finished for s in seqs) and bm.all_free and not host and not sch.swapped
     assert admitted == sorted(admitted)  # FIFO admission
     assert sch.counters["preemptions"] > 0
+
+
+def test_block_manager_owns_a_sequences_table():
+    """allocate_seq / grow_seq / shrink_seq / free_seq change a Sequence's blocks and slot and keep
+    its room (output rows its table holds) right; the block-level rules stay: shared hits first,
+    a failed grow changes nothing, the freed table's last block is freed first (reused last)."""
+    bm = BlockManager(6, 4, 2)
+    pol = ExitPolicy.from_config(tiny_model("ouro-tiny").cfg)
+    a, b = (Sequence(i, str(i), [1] * 5, SamplingParams(max_tokens=20), pol) for i in range(2))
+    bm.allocate_seq(a, 5)
+    assert (a.blocks, a.slot, a.room) == ([0, 1], 0, 3)
+    assert bm.grow_seq(a, 9) and (a.blocks, a.room) == ([0, 1, 2], 7)
+    assert bm.grow_seq(a, 9) and a.blocks == [0, 1, 2]  # already holds them
+    bm.allocate_seq(b, 5, hits=[0])  # b shares a's first block
+    assert (b.blocks, b.slot, b.room, bm.ref[0]) == ([0, 3], 1, 3, 2)
+    assert not bm.grow_seq(b, 17) and (b.blocks, b.room) == ([0, 3], 3)  # 3 more wanted, 2 free
+    bm.shrink_seq(a, 6)
+    assert (a.blocks, a.room, list(bm.free_blocks)) == ([0, 1], 3, [4, 5, 2])
+    table = a.blocks
+    bm.free_seq(a)
+    assert (a.blocks, a.slot, a.room) == ([], -1, -5) and table == [0, 1]  # a new table: a SwapOp keeps the old
+    assert list(bm.free_blocks) == [4, 5, 2, 1] and bm.ref[0] == 1  # b still holds block 0
+    bm.free_seq(b)
+    assert list(bm.free_blocks) == [4, 5, 2, 1, 3, 0] and bm.all_free
 
 
 def test_batch_state_oracle_catches_a_stale_table():

@@ -41,16 +41,29 @@ def test_owners_cover_every_field_once():
     assert sorted(parts) == sorted(f.name for f in dataclasses.fields(Sequence)), "a field in no part or in two"
 
 
-def test_each_part_is_written_by_its_owner_only():
+def stray(rel: str, source: str) -> list[str]:
+    """The writes in `source` (the text of infer/ file `rel`) to fields whose part `rel` does not own."""
     owner = {f: (part, mods) for part, (mods, fields) in OWNERS.items() for f in fields}
+    return [f"{rel}:{line} writes {who}.{field} ({owner[field][0]} part, owned by "
+            f"{sorted(owner[field][1]) or 'no one after creation'})"
+            for line, who, field in written(ast.parse(source))
+            if who in RECEIVERS and field in owner and rel not in owner[field][1]]
+
+
+def test_each_part_is_written_by_its_owner_only():
     bad = []
     for p in sorted((ROOT / "infer").rglob("*.py")):
-        rel = p.relative_to(ROOT).as_posix()
-        for line, who, field in written(ast.parse(p.read_text())):
-            if who in RECEIVERS and field in owner and rel not in owner[field][1]:
-                bad.append(f"{rel}:{line} writes {who}.{field} ({owner[field][0]} part, owned by "
-                           f"{sorted(owner[field][1]) or 'no one after creation'})")
+        bad += stray(p.relative_to(ROOT).as_posix(), p.read_text())
     assert not bad, "\n".join(bad)
+
+
+def test_kv_memory_is_written_by_the_block_manager_only():
+    # the block table, slot and room changed by hand in the scheduler (as before the BlockManager
+    # owned them) is reported; the same lines in block_manager.py are not
+    src = "def f(s, seq):\n    s.blocks, s.slot = [], -1\n    seq.blocks.append(3)\n    seq.room = 0\n"
+    assert len(stray("infer/engine/scheduler.py", src)) == 4
+    assert len(stray("infer/engine/preemption.py", src)) == 4
+    assert stray("infer/engine/block_manager.py", src) == []
 
 
 def test_the_checker_sees_a_stray_write():

@@ -1,15 +1,21 @@
 """KV memory bookkeeping: fixed-size blocks of KV rows, and per-sequence state slots. Pure Python.
 
 Blocks are handed out on demand: a request gets the blocks of its prompt when it is admitted and
-one more block whenever its next token's row falls past its last block (`grow`). `seq.blocks` is
-the one block table; `row(blocks, pos)` maps a position to its KV row. When `grow` fails the
+one more block whenever its next token's row falls past its last block (`grow_seq`). `seq.blocks`
+is the one block table; `kv_rows(blocks, ...)` maps positions to KV rows. When `grow_seq` fails the
 scheduler preempts (swaps out) a request. With `reserve_kv` the scheduler instead allocates
-prompt + max_tokens at admission and `grow` never needs a block.
+prompt + max_tokens at admission and `grow_seq` never needs a block.
+
+This class is the one owner of a sequence's KV memory (vLLM V1's KV cache manager): the scheduler
+and its parts (chunks.py, preemption.py) decide when, and `allocate_seq` / `grow_seq` /
+`shrink_seq` / `free_seq` change `seq.blocks`, `seq.slot` and `seq.room` together, so that no call
+site can change a table and forget `room` (sequence.py: OWNERS). `allocate` and `free` are the
+same on bare block lists, for callers without a scheduled Sequence (infer/sim/latency.py).
 
 Prefix caching (chunks.py decides when to look up and register): a block is reference counted
 (`ref`: how many block tables hold it). A full prompt block whose rows are completely written can
 be registered under the hash of its token prefix (`block_hashes`); a later request whose prompt
-starts with the same tokens takes it read-only (`allocate(..., hits)`). A registered block that
+starts with the same tokens takes it read-only (`allocate_seq(..., hits)`). A registered block that
 nobody holds any more stays cached (`cached`, LRU order) and counts as free: allocation takes
 never-registered free blocks first, then evicts the least recently used cached block (its hash
 is forgotten). A block is always exactly one of: held (ref > 0), plain free, or cached.
@@ -19,6 +25,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (annotations only: nothing of the engine is imported at run time, so no cycle)
+    from .sequence import Sequence
 
 
 def block_hashes(ids: list[int], block_size: int, known: list[bytes]) -> list[bytes]:
@@ -76,7 +86,8 @@ class BlockManager:
         return bool(self.free_slots) and new + keep_free <= self.num_free - idle
 
     def allocate(self, tokens: int, hits: list[int] = ()) -> tuple[list[int], int]:
-        """Blocks for `tokens` rows (the shared `hits` first, then new ones) and a state slot."""
+        """Blocks for `tokens` rows (the shared `hits` first, then new ones) and a state slot
+        (a bare table: a scheduled Sequence gets its own through `allocate_seq`)."""
         if not self.can_allocate(tokens, 0, hits):
             raise RuntimeError(f"cannot allocate {self.blocks_for(tokens)} blocks (free {self.num_free}) and a slot")
         for b in hits:
@@ -86,26 +97,46 @@ class BlockManager:
         blocks.extend(self._take() for _ in range(self.blocks_for(tokens) - len(hits)))
         return blocks, self.free_slots.popleft()
 
-    def grow(self, blocks: list[int], tokens: int) -> bool:
-        """Extend the block table `blocks` in place to hold `tokens` rows; False (and no change)
-        when not enough blocks are free."""
-        n = self.blocks_for(tokens) - len(blocks)
+    # ---- a sequence's block table and slot: the one place they change (sequence.py: OWNERS)
+    def _fit(self, seq: Sequence) -> None:
+        # the output tokens whose KV rows the table holds, kept with the table so that the growth
+        # check after each token is one comparison (Scheduler.postprocess)
+        seq.room = len(seq.blocks) * self.block_size - len(seq.prompt_ids)
+
+    def allocate_seq(self, seq: Sequence, tokens: int, hits: list[int] = ()) -> None:
+        """Give `seq` (holding nothing) the blocks for `tokens` rows (`hits` first) and a slot."""
+        seq.blocks, seq.slot = self.allocate(tokens, hits)
+        self._fit(seq)
+
+    def grow_seq(self, seq: Sequence, tokens: int) -> bool:
+        """Extend `seq`'s block table in place to hold `tokens` rows; False (and no change) when
+        not enough blocks are free."""
+        n = self.blocks_for(tokens) - len(seq.blocks)
         if n <= 0:
             return True
         if n > self.num_free:
             return False
         for _ in range(n):  # (decode grows one block at a time: a plain loop, no generator to build)
-            blocks.append(self._take())
+            seq.blocks.append(self._take())
+        self._fit(seq)
         return True
 
-    def shrink(self, blocks: list[int], tokens: int) -> None:
-        """Cut the block table `blocks` in place to the blocks of `tokens` rows, freeing the rest
+    def shrink_seq(self, seq: Sequence, tokens: int) -> None:
+        """Cut `seq`'s block table in place to the blocks of `tokens` rows, freeing the rest
         (speculative decoding's rollback: the blocks of rejected draft positions)."""
         n = self.blocks_for(tokens)
-        if len(blocks) > n:
-            tail = blocks[n:]
-            del blocks[n:]
+        if len(seq.blocks) > n:
+            tail = seq.blocks[n:]
+            del seq.blocks[n:]
             self.free(tail, -1)
+            self._fit(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks and slot (`free`); it holds neither afterwards. The table becomes a
+        new empty list, not the old one cleared: a swap-out's SwapOp still reads the old one."""
+        self.free(seq.blocks, seq.slot)
+        seq.blocks, seq.slot = [], -1
+        self._fit(seq)
 
     def _take(self) -> int:
         if self.free_blocks:

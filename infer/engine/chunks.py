@@ -95,8 +95,7 @@ class ChunkQueues:
                 need = s.reserved_tokens(self.max_model_len) if self.reserve_kv else len(s.prompt_ids)
                 if not self.blocks.can_allocate(need, keep_free(len(out)), hits):
                     break  # FIFO: the head waits for memory, nobody overtakes it
-                s.blocks, s.slot = self.blocks.allocate(need, hits)
-                s.fit_blocks(self.blocks.block_size)
+                self.blocks.allocate_seq(s, need, hits)
                 s.prefilled = len(hits) * self.blocks.block_size
                 if self.caching and s.params.prompt_logprobs is None:
                     self.counters["prefix_cache_queries"] += len(s.prompt_ids)

@@ -1,7 +1,8 @@
 """Preemption, stall and resume: what the scheduler does when a decode token's next KV row needs a
 block and none is free. Pure Python (no torch), replayed by the simulator like the scheduler.
 
-A sequence that moves to the prelude queue gets the block of its next token's row first (`grow`).
+A sequence that moves to the prelude queue gets the block of its next token's row first (`grow`;
+the BlockManager changes the table itself: `grow_seq`, `free_seq`, `allocate_seq`).
 When none is free, the most recently admitted running sequence (of the worst priority, under
 scheduling_policy "priority") is preempted: its blocks and slot
 are freed and a `SwapOp` tells the engine to copy its KV rows and per-slot state to host memory
@@ -84,7 +85,7 @@ class Preemption:
         reads the exit scores of the core step in flight, the lookahead pipeline, before a core item
         leaves: Scheduler._read_pending). True: `s`
         grew (Work.grown); False: it stalled or was swapped out."""
-        while not self.blocks.grow(s.blocks, s.num_tokens):  # the rows of positions 0..position
+        while not self.blocks.grow_seq(s, s.num_tokens):  # the rows of positions 0..position
             victim = max(self.holders(), key=_rank)
             others_run = any(x is not victim for x in self.prelude_q + self.queues[Stage.CORE] +
                              self.queues[Stage.CODA] if x is not s)
@@ -99,7 +100,6 @@ class Preemption:
             self.swap_out(victim, read_pending)
             if victim is s:
                 return False
-        s.fit_blocks(self.blocks.block_size)
         return True
 
     def swap_out(self, s: Sequence, read_pending: Callable[[], None]) -> None:
@@ -111,13 +111,14 @@ class Preemption:
             stage = Stage.PRELUDE
         else:
             self.queues[stage].remove(s)
-        self.ops.append(SwapOp("out", s, s.blocks, s.slot))
-        self.blocks.free(s.blocks, s.slot)
-        self.swapped.append((s, stage, len(s.blocks)))
+        n = len(s.blocks)
+        self.ops.append(SwapOp("out", s, s.blocks, s.slot))  # (keeps the old table: free_seq gives s a new one)
+        self.blocks.free_seq(s)
+        self.swapped.append((s, stage, n))
         self.swapped.sort(key=lambda x: _rank(x[0]))  # (resumed from the front: the best priority, oldest first)
         self.counters["preemptions"] += 1
-        self.counters["swapped_out_blocks"] += len(s.blocks)
-        s.blocks, s.slot, s.stage = [], -1, Stage.SWAPPED
+        self.counters["swapped_out_blocks"] += n
+        s.stage = Stage.SWAPPED
 
     def resume(self, keep_free: Callable[[int], int]) -> list[Sequence]:
         """Before scheduling: stalled sequences take freed blocks, then swapped ones come back,
@@ -126,9 +127,8 @@ class Preemption:
         (Scheduler._keep_free)."""
         back: list[Sequence] = []
         for s in list(self.stalled):
-            if not self.blocks.grow(s.blocks, s.position + 1):
+            if not self.blocks.grow_seq(s, s.position + 1):
                 break
-            s.fit_blocks(self.blocks.block_size)
             self.stalled.remove(s)
             self.prelude_q.append(s)
             s.stage = Stage.PRELUDE
@@ -137,8 +137,7 @@ class Preemption:
             s, stage, n = self.swapped[0]
             if not self.blocks.can_allocate(s.position + 1, keep_free(0)):
                 break
-            s.blocks, s.slot = self.blocks.allocate(s.position + 1)
-            s.fit_blocks(self.blocks.block_size)
+            self.blocks.allocate_seq(s, s.position + 1)
             self.swapped.pop(0)
             self.ops.append(SwapOp("in", s, s.blocks, s.slot))
             back.append(s)

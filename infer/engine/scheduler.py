@@ -29,8 +29,9 @@ One ladder (`_policy`) serves both prefill modes; they differ in one step, `_pre
 Memory: admission (FIFO) gives a request its prompt's blocks (with prefix caching, the cached
 blocks of its prompt's head shared read-only: chunks.py), leaving a watermark free; a token that
 moves to the prelude queue gets the block of its next row first, and when none is free someone
-is preempted (preemption.py: swap out, stall, resume). Each sequence's `stage` names the one
-container that holds it (`finish` takes it out of exactly that one).
+is preempted (preemption.py: swap out, stall, resume). These files decide when; the BlockManager
+changes the block tables and slots (`allocate_seq`, `grow_seq`, `shrink_seq`, `free_seq`). Each
+sequence's `stage` names the one container that holds it (`finish` takes it out of exactly that one).
 
 `postprocess(work, ...)` applies a stage's outcome: who moves to which queue, who finished. With
 the lookahead pipeline a core step's exit scores are read one core step late (while the next
@@ -169,8 +170,7 @@ class Scheduler:
     def _release(self, seq: Sequence, reason: str) -> None:
         """Free a finished sequence's blocks and slot (it is in no container any more)."""
         if seq.blocks or seq.slot >= 0:
-            self.blocks.free(seq.blocks, seq.slot)
-            seq.blocks, seq.slot = [], -1
+            self.blocks.free_seq(seq)
         seq.stage, seq.finish_reason = None, reason
 
     # ---------------------------------------------------------------- policy
@@ -269,8 +269,7 @@ class Scheduler:
                 if extra > spare:
                     n, extra = min(n, len(s.blocks) * B - p0), 0  # the rows its own blocks hold (>= 1: p0's)
                 if extra > 0:
-                    self.blocks.grow(s.blocks, p0 + n)
-                    s.fit_blocks(B)
+                    self.blocks.grow_seq(s, p0 + n)
                     spare -= extra
             ks.append(n)
         if max(ks) < 2:  # nothing to speculate (the blocks grown are none: every n is 1)
@@ -295,8 +294,7 @@ class Scheduler:
             need = seq.reserved_tokens(self.max_model_len) if self.cfg.reserve_kv else n
             if not self.blocks.can_allocate(need, self._keep_free(len(batch))):
                 break  # FIFO: the head waits for memory, nobody overtakes it
-            seq.blocks, seq.slot = self.blocks.allocate(need)
-            seq.fit_blocks(self.blocks.block_size)
+            self.blocks.allocate_seq(seq, need)
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.perf_counter()
             batch.append(self.waiting.popleft())
@@ -382,8 +380,7 @@ class Scheduler:
                 B = self.blocks.block_size  # position go back (never one held before: reserve_kv's stay)
                 for s, n in zip(seqs, work.spec_blocks):
                     if not finished or s.seq_id not in finished:
-                        self.blocks.shrink(s.blocks, max(n * B, s.num_tokens))
-                        s.fit_blocks(B)
+                        self.blocks.shrink_seq(s, max(n * B, s.num_tokens))
             going = seqs + done if done else seqs  # done: chunks that completed their prompt (first token sampled)
             if finished:
                 for s in going:

@@ -5,13 +5,17 @@ CB's fused iteration, or a speculative draft-and-verify of a few sequences) and 
 sequence waits: `seq.stage` is the stage it takes part in next (PREFILL = the waiting queue; CB's
 fused iteration consumes the PRELUDE queue).
 
-A `Sequence` has three parts, each written by one owner (vLLM V1's Request / scheduler state /
-output state; `OWNERS` names them and tests/test_sequence_owners.py checks every write in infer/):
+A `Sequence` has four parts, each written by one owner (vLLM V1's Request / KV cache manager /
+scheduler state / output state; `OWNERS` names them and tests/test_sequence_owners.py checks every
+write in infer/):
 - the request: what was asked, with what the per-token loops derive from it (stop ids, the length
   limit, whether it samples or needs extras), fixed at creation (`LLMEngine.add_request`);
-- the scheduler's state: the queue it waits in, its KV blocks and state slot, its loop step, its
-  prompt chunk in flight, its exit tracker, why it finished (scheduler.py and its parts chunks.py,
-  preemption.py; the output processor decides a stop's reason, `Scheduler.finish` records it);
+- its KV memory: block table, state slot and `room`, changed only by the BlockManager
+  (block_manager.py: `allocate_seq`, `grow_seq`, `shrink_seq`, `free_seq`), which keeps `room`
+  right with every table change; the scheduler decides when;
+- the scheduler's state: the queue it waits in, its loop step, its prompt chunk in flight, its
+  exit tracker, why it finished (scheduler.py and its parts chunks.py, preemption.py; the output
+  processor decides a stop's reason, `Scheduler.finish` records it);
 - the output processor's state: tokens, exit depths, log-probs, text, times (output.py).
 A *chunk* is always a span of prompt positions prefilled in one launch (mixed prefill); the k
 positions a speculative stage verifies are a *window* (spec_plan.py).
@@ -77,12 +81,14 @@ class Sequence:
     # ---- the scheduler's state
     stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
     finish_reason: str | None = None
+    # ---- its KV memory (written by block_manager.py only)
     blocks: list[int] = field(default_factory=list)  # KV block table
     # output tokens whose KV rows the block table holds (len(blocks) * block_size - prompt length):
-    # set by `fit_blocks` wherever the scheduler gives the table blocks, so that the growth check
-    # after each token is one comparison instead of three lengths (scheduler.postprocess)
+    # the BlockManager sets it with every table change, so that the growth check after each token
+    # is one comparison instead of three lengths (scheduler.postprocess)
     room: int = 0
     slot: int = -1  # row of the runner's per-sequence state buffers
+    # ---- the scheduler's state (continued)
     step: int = 0  # loop steps done by the current decode token (or by the prompt chunk in flight)
     prefilled: int = 0  # mixed prefill: prompt positions whose KV is complete (chunks.py)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: digests of full prompt blocks
@@ -141,10 +147,6 @@ class Sequence:
         """Admitted (prefilled or being prefilled): it holds KV memory and a state slot."""
         return self.slot >= 0 or bool(self.output_ids)
 
-    def fit_blocks(self, block_size: int) -> None:
-        """Recompute `room` after the block table got blocks (allocated or grown)."""
-        self.room = len(self.blocks) * block_size - len(self.prompt_ids)
-
     def reserved_tokens(self, max_model_len: int) -> int:
         """KV rows the request can ever use: prompt + outputs, capped by the context."""
         return min(len(self.prompt_ids) + self.params.max_tokens, max_model_len)
@@ -155,8 +157,9 @@ class Sequence:
 OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "request": (frozenset(), ("seq_id", "request_id", "prompt_ids", "params", "policy", "arrival_time",
                               "text_prompt", "forced", "priority", "stop_ids", "max_out", "extras", "sampled")),
+    "kv": (frozenset({"infer/engine/block_manager.py"}), ("blocks", "room", "slot")),
     "scheduler": (frozenset({"infer/engine/scheduler.py", "infer/engine/chunks.py", "infer/engine/preemption.py"}),
-                  ("stage", "finish_reason", "blocks", "room", "slot", "step", "prefilled", "block_hashes", "chunk", "step_scored",
+                  ("stage", "finish_reason", "step", "prefilled", "block_hashes", "chunk", "step_scored",
                    "tracker", "scheduled_time")),
     "output": (frozenset({"infer/engine/output.py"}),
                ("output_ids", "exit_depths", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
