@@ -223,8 +223,10 @@ def test_a_launch_with_prompt_chunks_charges_the_waiting_exits_its_decode_part_o
 def test_setting_validation_and_flag():
     assert EngineConfig(min_coda_batch="auto").min_coda_batch == "auto"
     for bad in ("sometimes", 1, None):
-        with pytest.raises(ParamError, match="refill must be True, False or 'auto'"):
+        with pytest.raises(ParamError, match="refill must be True or False"):
             EngineConfig(refill=bad)
+    with pytest.raises(ParamError, match="refill='auto' is refill=True"):  # (the old default, removed)
+        EngineConfig(refill="auto")
     for bad in ("often", 0, 2.5):
         with pytest.raises(ParamError, match="min_coda_batch must be an integer >= 1 or 'auto'"):
             EngineConfig(min_coda_batch=bad)
@@ -238,14 +240,15 @@ def test_setting_validation_and_flag():
     with pytest.raises(SystemExit):
         p.parse_args(["--min-coda-batch", "often"])
     assert engine_kwargs_from_args(p.parse_args(["--no-refill"]))["refill"] is False
-    assert "refill" not in engine_kwargs_from_args(p.parse_args([]))  # (unset: EngineConfig's "auto")
+    assert "refill" not in engine_kwargs_from_args(p.parse_args([]))  # (unset: EngineConfig's True)
     # lm-eval model_args come as strings: "auto" stays "auto" where a setting takes it
     from eval.lm import engine_settings
-    assert engine_settings({"refill": "auto", "min_coda_batch": "auto"}) == {"refill": "auto", "min_coda_batch": "auto"}
+    assert engine_settings({"refill": "true", "min_coda_batch": "auto"}) == {"refill": True, "min_coda_batch": "auto"}
     assert engine_settings({"refill": "false", "min_coda_batch": "4"}) == {"refill": False, "min_coda_batch": 4}
-    for k, v in (("refill", "maybe"), ("min_coda_batch", "often")):
-        with pytest.raises(ParamError, match=f"model_args {k}='{v}': expected .* or auto"):
-            engine_settings({k: v})
+    with pytest.raises(ParamError, match="model_args min_coda_batch='often': expected .* or auto"):
+        engine_settings({"min_coda_batch": "often"})
+    with pytest.raises(ParamError, match="model_args refill='maybe'"):
+        engine_settings({"refill": "maybe"})
 
 
 def test_engine_reports_what_auto_decided():
@@ -336,15 +339,15 @@ def _codas_mid_loop(refill, coda_s: float) -> tuple[int, int]:
     return mid, codas
 
 
-def test_refill_auto_lets_the_loop_drain_where_a_coda_costs_more_than_waiting():
-    """refill="auto" (the default, with min_coda_batch="auto"): where a coda and its prelude cost
+def test_auto_coda_lets_the_loop_drain_where_a_coda_costs_more_than_waiting():
+    """refill=True with min_coda_batch="auto" (both defaults): where a coda and its prelude cost
     little next to holding exits back (1 ms, as a core step), exits re-enter the loop at most codas
     (refill); where they cost 50 core steps, every coda after the first few (auto's cold start,
     K = 1 until each stage's cost is seen) waits for the loop to drain, as a no-refill cohort's."""
-    assert EngineConfig().refill == "auto" and EngineConfig().min_coda_batch == "auto"
-    mid, codas = _codas_mid_loop("auto", 1e-3)
+    assert EngineConfig().refill is True and EngineConfig().min_coda_batch == "auto"
+    mid, codas = _codas_mid_loop(True, 1e-3)
     assert mid > 0.8 * codas > 20
-    mid, codas = _codas_mid_loop("auto", 5e-2)
+    mid, codas = _codas_mid_loop(True, 5e-2)
     assert mid <= 2 and codas > 10
     assert _codas_mid_loop(False, 1e-3)[0] == 0  # (the cohorts themselves)
 

@@ -17,7 +17,7 @@ constant tuned. Ouro-1.4B's coda is its head alone (cheap next to 24 core layers
 once (K = 1 in effect). Huginn-3.5B's is two layers plus the head (more than its 4-layer core step),
 so exits gather, as the paper's K ~ W/4 does by hand.
 
-The same rule is refill="auto": the prelude that puts the exits back into the loop follows their
+The same rule decides refill (refill=True): the prelude that puts the exits back into the loop follows their
 coda (its fixed cost is in the launch side), so holding the coda is holding the refill, and a hold
 that never reaches the launch cost lets the loop drain as a no-refill cohort does, then runs one
 coda and one prelude for all of it. New prompts still enter the loop as they are admitted.

@@ -35,10 +35,9 @@ def _f(default, help: str):
 @dataclass(frozen=True)
 class EngineConfig:
     policy: str = _f("cdb", "cb (continuous batching, the baseline) or cdb")
-    refill: bool | str = _f("auto", "cdb: interleave stages (the paper's refill) instead of running cohorts; auto: "
-                                    "refill, and under min_coda_batch=auto each coda's cost rule decides whether its "
-                                    "exits re-enter the loop now or the loop drains first (a coda held until the loop "
-                                    "is empty is the cohort's schedule); with a fixed K, refill")
+    refill: bool = _f(True, "cdb: interleave stages (the paper's refill) instead of running cohorts; under "
+                            "min_coda_batch=auto each coda's cost rule decides whether its exits re-enter the loop now "
+                            "or the loop drains first (a coda held until the loop is empty is the cohort's schedule)")
     min_coda_batch: int | str = _f("auto", "cdb refill: exits that must wait before a coda runs (the paper's K), or "
                                       "auto: decided at each step from what launches cost (auto_coda.py)")
     kv_layout: str | None = _f(None, f"KV layout: {', '.join(LAYOUT_NAMES)} (S depth slots per core layer, step s "
@@ -134,8 +133,11 @@ class EngineConfig:
         check_chunking(self.kv_layout, self.chunked_prefill, self.prefill)
         check_prefix_caching(self.kv_layout, self.enable_prefix_caching, self.prefill)
         check_speculation(self.kv_layout, self.speculative_tokens, self.draft_depth)
-        if not (isinstance(self.refill, bool) or self.refill == "auto"):
-            raise ParamError("refill", f"refill must be True, False or 'auto', got {self.refill!r}")
+        if self.refill == "auto":  # (its old default: it did what True does, min_coda_batch="auto" decides)
+            raise ParamError("refill", "refill='auto' is refill=True (min_coda_batch='auto' decides whether a coda "
+                                       "waits for the loop to drain): pass True or False")
+        if not isinstance(self.refill, bool):
+            raise ParamError("refill", f"refill must be True or False, got {self.refill!r}")
         if self.min_coda_batch != "auto" and (not isinstance(self.min_coda_batch, int) or self.min_coda_batch < 1):
             raise ParamError("min_coda_batch", f"min_coda_batch must be an integer >= 1 or 'auto', got "
                                                f"{self.min_coda_batch!r}")

@@ -9,14 +9,12 @@ tokens waiting for the coda). `schedule()` picks the next stage and its batch:
   sequences that share the oldest one's r_max (requests may ask for a lower r_max).
 - `cdb`, refill=False: a cohort runs prelude, core steps until all its tokens exited (exited
   tokens leave the batch), then one coda; new requests are prefilled between cohorts.
-- `cdb`, refill=True: right after a prefill or a coda, the prelude; else the coda once at least
-  `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step
+- `cdb`, refill=True (the default): right after a prefill or a coda, the prelude; else the coda once
+  at least `min_coda_batch` exits wait (or no core work is left); else a prefill; else a core step
   (under min_coda_batch="auto", the first of its items when two launches at smaller padded sizes
-  cost less than one: auto_coda.py).
-- `cdb`, refill="auto" (the default): the refill ladder. Under min_coda_batch="auto" it is the cost
-  rule that chooses between refilling and letting the loop drain: the prelude that re-enters exits
-  follows their coda, and a coda held until no core work is left is the cohort's schedule
-  (auto_coda.py). With a fixed K, refill.
+  cost less than one: auto_coda.py). Under min_coda_batch="auto" (the default) the cost rule also
+  chooses between refilling and letting the loop drain: the prelude that re-enters exits follows
+  their coda, and a coda held until no core work is left is the cohort's schedule (auto_coda.py).
 One ladder (`_policy`) serves both prefill modes; they differ in one step, `_prefill`:
 - `prefill="separate"`: whole prompts run in prefill launches of their own, of at most
   `max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).

@@ -23,8 +23,8 @@ def modes_for(ks=(1, 4), norefill: bool = True, full_depth: bool = True) -> list
     modes = [{"name": "cb", "policy": "cb"}, {"name": "cb_separate", "policy": "cb", "prefill": "separate"}]
     if norefill:
         modes.append({"name": "cdb_norefill", "policy": "cdb", "refill": False})
-    modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": k if k == "auto" else True,
-               "min_coda_batch": k if k == "auto" else int(k)} for k in ks]  # (auto: both, the defaults)
+    modes += [{"name": f"cdb_refill_k{k}", "policy": "cdb", "refill": True,
+               "min_coda_batch": k if k == "auto" else int(k)} for k in ks]  # (auto: the default)
     if full_depth:
         # (K=1 pinned: the control that must equal CB, whatever the default K is)
         modes.append({"name": "cdb_full_depth", "policy": "cdb", "refill": True, "min_coda_batch": 1, "full_depth": True})
