@@ -123,7 +123,7 @@ def test_core_splits_follow_the_row_every_replan_launches_and_at_once_on_a_new_s
 
 
 def test_queued_launches_are_learned_in_order_when_a_decision_reads_them():
-    """The engine queues its launches (AutoCoda.pending) rather than learning each at once: a coda
+    """The engine queues its launches (AutoCoda.unlearned) rather than learning each at once: a coda
     decision, a due core plan (an item count not planned yet, or REPLAN launches queued) and
     describe() learn them first, in launch order, and then see what learning each at its launch
     would have made them see. A planned core split waits for the queue to reach REPLAN."""
@@ -134,18 +134,18 @@ def test_queued_launches_are_learned_in_order_when_a_decision_reads_them():
     eager, queued = AutoCoda(pow2), AutoCoda(pow2)
     for launch in launches:
         eager.observe(*launch)
-    queued.pending.extend(launches)
+    queued.unlearned.extend(launches)
     assert queued.coda_now(4, 60, 3, 64) == eager.coda_now(4, 60, 3, 64)
-    assert queued.last == eager.last and queued.held == eager.held and queued.pending == []
+    assert queued.last == eager.last and queued.held == eager.held and queued.unlearned == []
     assert queued.costs.table == eager.costs.table and queued.describe() == eager.describe()
 
     a = _rows(fixed=1.0)  # a planned split (80 items: 64 + 16) ...
     assert a.core_batch(80) == 64
     for i in range(REPLAN - 1):  # ... kept while fewer than REPLAN launches wait, however cheap they are
-        a.pending.append((Stage.CORE, 128, 1.0, 0, 64, False))
-        assert a.core_batch(80) == 64 and len(a.pending) == i + 1
-    a.pending.append((Stage.CORE, 128, 1.0, 0, 64, False))
-    assert a.core_batch(80) == 80 and a.pending == []  # learned: the 128-row launch is cheap now
+        a.unlearned.append((Stage.CORE, 128, 1.0, 0, 64, False))
+        assert a.core_batch(80) == 64 and len(a.unlearned) == i + 1
+    a.unlearned.append((Stage.CORE, 128, 1.0, 0, 64, False))
+    assert a.core_batch(80) == 80 and a.unlearned == []  # learned: the 128-row launch is cheap now
 
 
 def _plan_recursive(a: AutoCoda, row: dict[int, float], n: int, least: float) -> tuple[float, int]:

@@ -65,9 +65,9 @@ def test_preemption_takes_the_worst_priority_first(monkeypatch):
     pre, victims = small.scheduler.preemption, []
     swap_out = pre.swap_out
 
-    def recorded(s, read_pending):
+    def recorded(s, read_scores):
         victims.append((s, list(pre.holders())))
-        swap_out(s, read_pending)
+        swap_out(s, read_scores)
     monkeypatch.setattr(pre, "swap_out", recorded)
     got = run(small)
     want = run(LLMEngine(model("ouro-tiny"), EngineConfig(kv_cache_tokens=1024, **base)))

@@ -97,9 +97,9 @@ def test_the_next_prelude_is_launched_before_the_ids_are_read(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_aborts_while_an_id_is_on_the_device(arch):
-    """A request aborted while its last id is on the device (pending) ends with finish reason 'abort'
-    and tokens that are a prefix of the reference's; every other request equals the reference, and
-    every block comes back."""
+    """A request aborted while its last id is on the device (Sequence.unread_ids) ends with finish
+    reason 'abort' and tokens that are a prefix of the reference's; every other request equals the
+    reference, and every block comes back."""
     seed = stable_seed("abort", arch)
     refs = reference(arch, "last_exited", False, False, seed % 4)
     eng = _engine(arch, "refill_k1")
@@ -111,10 +111,10 @@ def test_aborts_while_an_id_is_on_the_device(arch):
             break
         eng.step()
         if victim is None:
-            victim = next((s for s in seqs if s.pending and len(s.output_ids) >= 2 and not s.finished), None)
+            victim = next((s for s in seqs if s.unread_ids and len(s.output_ids) >= 2 and not s.finished), None)
             if victim is not None:
                 eng.abort(victim.request_id)
-    assert victim is not None and victim.finish_reason == "abort" and victim.pending == 0
+    assert victim is not None and victim.finish_reason == "abort" and victim.unread_ids == 0
     assert eng.blocks.all_free
     for s, r in zip(seqs, refs):
         if s is victim:
@@ -143,7 +143,7 @@ def test_host_rows_and_sampling_under_reentry(arch):
     assert runs[True] == runs[False]
 
 
-def test_swapped_out_while_pending():
+def test_swapped_out_while_an_id_is_unread():
     """A pool too small for the batch: sequences are preempted (swapped out) right after a coda, with
     their next token still on the device, and come back in other slots; the token travels with the
     slot's state. Outputs equal the reference decoder's."""

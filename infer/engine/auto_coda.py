@@ -33,7 +33,7 @@ simulator's or the emulated device's cost model; the wall clock on a CPU, where 
 synchronous), per stage and padded batch, as a moving average. Until a stage has been seen, the
 coda runs at once (K = 1). On CUDA launches are asynchronous: `LaunchTimer` puts CUDA events
 around each and reads those that are done at later steps (`query`, never a wait), and the held
-cost uses the table's prediction until then. The engine queues each launch (`pending`) and they are
+cost uses the table's prediction until then. The engine queues each launch (`unlearned`) and they are
 learned together, in order, when a decision reads the table (`catch_up`). Pure bookkeeping: no
 launch, no tensor. Scheduling never changes tokens or exit depths, so exactness is untouched.
 """
@@ -51,7 +51,7 @@ EMA = 0.2  # weight of a new observation in a stage's moving average
 # (at most REPLAN launches queued later: core_batch): planned at every launch, they cost 3 of a 25 us
 # core step's host time (python -m infer.bench.host --vs-auto, batch 16)
 REPLAN = 8
-# the launches queued unlearned (AutoCoda.pending) are learned at the latest when this many have gathered
+# the launches queued unlearned (AutoCoda.unlearned) are learned at the latest when this many have gathered
 CATCH_UP = 64
 CORE, CODA = Stage.CORE, Stage.CODA  # (module constants: _observe runs for every launch)
 
@@ -149,7 +149,7 @@ class AutoCoda:
         # launch (at most CATCH_UP), and catch_up learns them when a decision reads what they change (held,
         # the table). Learned one by one at their launches they cost ~2 us of a 26 us host step at batch 16,
         # together about a third of that (python -m infer.bench.host --vs-auto: the step's cache stays warm)
-        self.pending: list[tuple[Stage, int, float | None, int, int, bool]] = []
+        self.unlearned: list[tuple[Stage, int, float | None, int, int, bool]] = []
 
     def padded(self, n: int) -> int:
         p = self._pads.get(n)
@@ -205,7 +205,7 @@ class AutoCoda:
         the launches learned (catch_up) for an item count not planned yet, or once REPLAN launches
         wait to be learned: a plan is at most that many launches older than the table's news."""
         a = self._firsts.get(n)
-        if a is None or len(self.pending) >= REPLAN:
+        if a is None or len(self.unlearned) >= REPLAN:
             self.catch_up()
             a = self._firsts.get(n)  # (learning may have cleared it)
             if a is None:
@@ -248,20 +248,20 @@ class AutoCoda:
                 chunks: bool = False) -> None:
         """A launch of `batch` decode items (and prompt chunks, if `chunks`) took `seconds` (None:
         not known); `idle` of `slots` waited through it (coda_now). Learned now, after the launches
-        pending (the engine queues its launches there instead: catch_up)."""
+        queued unlearned (the engine queues its launches there instead: catch_up)."""
         self.catch_up()
         self._observe(stage, batch, seconds, idle, slots, chunks)
 
     def queue(self, stage: Stage, batch: int, seconds: float | None, idle: int, slots: int, chunks: bool) -> None:
-        """`observe`, deferred: the launch joins `pending`, learned when a decision reads the table
+        """`observe`, deferred: the launch joins `unlearned`, learned when a decision reads the table
         (catch_up) or once CATCH_UP launches have gathered. The engine calls this at every launch."""
-        self.pending.append((stage, batch, seconds, idle, slots, chunks))
-        if len(self.pending) >= CATCH_UP:
+        self.unlearned.append((stage, batch, seconds, idle, slots, chunks))
+        if len(self.unlearned) >= CATCH_UP:
             self.catch_up()
 
     def catch_up(self) -> None:
-        """Learn the launches pending, in launch order."""
-        p = self.pending
+        """Learn the launches queued unlearned, in launch order."""
+        p = self.unlearned
         if p:
             for launch in p:
                 self._observe(*launch)
@@ -313,7 +313,8 @@ class LaunchTimer:
     def __init__(self, device):
         import torch
         self._cuda, self.device = torch.cuda, device
-        self.pending: list[tuple[Stage, int, bool, object, object]] = []
+        # the launches timed whose end event has not been read yet, oldest first
+        self.in_flight: list[tuple[Stage, int, bool, object, object]] = []
 
     def _record(self):
         ev = self._cuda.Event(enable_timing=True)
@@ -324,11 +325,11 @@ class LaunchTimer:
         return self._record()
 
     def stop(self, start, stage: Stage, batch: int, chunks: bool) -> None:
-        self.pending.append((stage, batch, chunks, start, self._record()))
+        self.in_flight.append((stage, batch, chunks, start, self._record()))
 
     def done(self) -> list[tuple[Stage, int, bool, float]]:
         out = []
-        while self.pending and self.pending[0][4].query():
-            stage, batch, chunks, start, end = self.pending.pop(0)
+        while self.in_flight and self.in_flight[0][4].query():
+            stage, batch, chunks, start, end = self.in_flight.pop(0)
             out.append((stage, batch, chunks, start.elapsed_time(end) * 1e-3))
         return out

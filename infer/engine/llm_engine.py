@@ -23,7 +23,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
 from .batch_state import to_device
-from .output import OutputProcessor, Pending
+from .output import OutputProcessor, UnreadSample
 from .runner import Emitted, ModelRunner, Runner, SpecOut
 from .sampler import Sampler
 from .sampling import SamplingParams, check_priority, check_prompt, check_token_ids
@@ -102,7 +102,8 @@ class LLMEngine:
                                    r_full=cfg.r_max)
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=c.cuda_graphs,
-                                                          attention_backend=c.attention_backend)
+                                                          attention_backend=c.attention_backend,
+                                                          token_slots=c.max_launch_tokens() if c.prefill == "mixed" else 0)
         self._launch_timer: LaunchTimer | None = None
         self._virtual = self.runner.clock is not None  # the simulator's or the emulated device's runner
         if c.min_coda_batch == "auto" and c.policy == "cdb" and c.refill:
@@ -130,7 +131,7 @@ class LLMEngine:
         self.processor = OutputProcessor(Sampler(c.seed, model.device), tokenizer, cfg.r_max, c.seed)
         # on-device token re-entry (c.async_scheduling): the ids of the last stage that emitted, still on
         # the device; read after the next launch that is not a prelude (step, _resolve)
-        self._pending: Pending | None = None
+        self._unread_sample: UnreadSample | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -186,7 +187,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._pending is not None
+        return self.scheduler.has_work() or self._unread_sample is not None
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
@@ -196,7 +197,7 @@ class LLMEngine:
         work = self.scheduler.schedule()
         self._swap(self.scheduler.take_swaps())
         if work is None:
-            return self._resolve(None, None)[0] if self._pending is not None else []
+            return self._resolve(None, None)[0] if self._unread_sample is not None else []
         record = self._record(work) if self.config.trace else None  # sizes before the stage changes them
         out = self._timed(work) if self.scheduler.auto is not None else self._run(work)
         resolved, out = self._reenter(work, out)
@@ -208,7 +209,7 @@ class LLMEngine:
         """On-device token re-entry: the ids of the last stage that emitted are read now that the device
         has this launch queued behind it (a prelude's is too short to hide the host's output processing
         behind: the next launch, a core step, does). Returns the sequences resolved and the output."""
-        if self._pending is not None and work.stage is not Stage.PRELUDE:
+        if self._unread_sample is not None and work.stage is not Stage.PRELUDE:
             return self._resolve(work, out)
         return [], out
 
@@ -220,7 +221,7 @@ class LLMEngine:
             self.scheduler.postprocess(work, scores=out)
             return []
         if self.config.async_scheduling and self.processor.can_defer(work, out):
-            self._pending, finished = self.processor.defer(work, out, self.runner)
+            self._unread_sample, finished = self.processor.defer(work, out, self.runner)
             emitted: list[Sequence] = []
         else:
             finished = self.processor.process(work, out)
@@ -229,12 +230,12 @@ class LLMEngine:
         return emitted
 
     def _resolve(self, work: Work | None, out):
-        """Read the pending ids (OutputProcessor.resolve) and apply their stops: a sequence that
+        """Read the unread sample's ids (OutputProcessor.resolve) and apply their stops: a sequence that
         stops now (a stop token or string found one launch late) leaves the scheduler, and if the
         launch just made (`work`, `out`) carried it, it leaves that stage's batch and output too,
         so its extra work is discarded exactly (it wrote only its own KV rows and state slot, which
         are freed). Returns the sequences resolved and the stage's output."""
-        p, self._pending = self._pending, None
+        p, self._unread_sample = self._unread_sample, None
         finished = self.processor.resolve(p)
         if finished:
             for s in p.seqs:

@@ -47,9 +47,10 @@ def prompt_logprobs(s: Sequence, logits: torch.Tensor) -> None:
     s.prompt_top_logprobs = [None] + [top_logprobs(logp[j], k, ids[j + 1]) for j in range(len(ids) - 1)]
 
 
-class Pending(NamedTuple):
-    """A stage's ids left on the device (OutputProcessor.defer): its rows' sequences, the pending
-    copies of their ids and (None: no row asked) of the chosen tokens' log-probs."""
+class UnreadSample(NamedTuple):
+    """A stage's sampled ids left on the device, not read by the host yet (OutputProcessor.defer):
+    its rows' sequences, the host copies in flight of their ids and (None: no row asked) of the
+    chosen tokens' log-probs."""
     seqs: list[Sequence]
     ids: Scores
     logprobs: Scores | None
@@ -134,12 +135,12 @@ class OutputProcessor:
             return not any(s.seq_id in rows for s in (work.seqs + work.finals if work.finals else work.seqs))
         return True
 
-    def defer(self, work: Work, out: Emitted, runner) -> tuple[Pending, dict[int, None]]:
+    def defer(self, work: Work, out: Emitted, runner) -> tuple[UnreadSample, dict[int, None]]:
         """A stage's ids sampled on the device and left there: `runner.reenter` makes them the next
         prelude's tokens, `runner.to_host` starts their copy to the host (and the log-probs' of rows
-        that ask). Each row gets a placeholder token (-1, `Sequence.pending`) and its exit depth now;
+        that ask). Each row gets a placeholder token (-1, `Sequence.unread_ids`) and its exit depth now;
         `resolve` fills in the id, its time and log-prob, and applies the stop rules. Returns the
-        pending read and the sequences that reach their length limit with this token (by seq_id):
+        unread sample and the sequences that reach their length limit with this token (by seq_id):
         they stop whatever the id is, so the scheduler frees them now and no launch runs them again
         (their finish reason comes with the id)."""
         seqs = work.seqs + work.finals if work.finals else work.seqs
@@ -150,19 +151,19 @@ class OutputProcessor:
         lps = None
         if self.extras:  # rows that ask for the chosen token's log-prob (forced / top rows are host rows)
             lps = runner.to_host(torch.log_softmax(logits.double(), -1).gather(1, ids[:, None])[:, 0], n)
-        pending = Pending(seqs, runner.to_host(ids, n), lps)
+        unread = UnreadSample(seqs, runner.to_host(ids, n), lps)
         depths = self._depths(work, seqs, None)
         done: dict[int, None] = {}
         for s, d in zip(seqs, depths):
             out_ids = s.output_ids
             out_ids.append(-1)
-            s.pending = 1
+            s.unread_ids = 1
             s.exit_depths.append(d)
             if len(out_ids) >= s.max_out:
                 done[s.seq_id] = None
-        return pending, done
+        return unread, done
 
-    def resolve(self, p: Pending) -> dict[int, str]:
+    def resolve(self, p: UnreadSample) -> dict[int, str]:
         """Read a deferred stage's ids (waiting for that launch only) and apply them: each row's
         placeholder becomes its id, with its time and log-prob, and the stop rules run. Returns the
         finish reason of each sequence that stops (by seq_id). A sequence aborted meanwhile gets its
@@ -173,7 +174,7 @@ class OutputProcessor:
         live, chosen = [], []
         for i, (s, tok) in enumerate(zip(p.seqs, toks)):
             s.output_ids[-1] = tok
-            s.pending = 0
+            s.unread_ids = 0
             if s.finish_reason is not None:  # aborted
                 continue
             s.token_times.append(now)

@@ -79,11 +79,11 @@ class Preemption:
                 self.ops.append(SwapOp("drop", seq, [], -1))
                 return
 
-    def grow(self, s: Sequence, read_pending: Callable[[], None]) -> bool:
+    def grow(self, s: Sequence, read_scores: Callable[[], None]) -> bool:
         """Give `s` (in the prelude queue) the block of its next token's row, preempting the most
-        recently admitted running sequences (possibly `s` itself) until one is free (`read_pending`:
+        recently admitted running sequences (possibly `s` itself) until one is free (`read_scores`:
         reads the exit scores of the core step in flight, the lookahead pipeline, before a core item
-        leaves: Scheduler._read_pending). True: `s`
+        leaves: Scheduler._read_scores_now). True: `s`
         grew (Work.grown); False: it stalled or was swapped out."""
         while not self.blocks.grow_seq(s, s.num_tokens):  # the rows of positions 0..position
             victim = max(self.holders(), key=_rank)
@@ -97,15 +97,15 @@ class Preemption:
                     s.stage = Stage.STALLED
                     return False
                 self.counters["swap_overcommits"] += 1  # nothing else could run: never deadlock
-            self.swap_out(victim, read_pending)
+            self.swap_out(victim, read_scores)
             if victim is s:
                 return False
         return True
 
-    def swap_out(self, s: Sequence, read_pending: Callable[[], None]) -> None:
+    def swap_out(self, s: Sequence, read_scores: Callable[[], None]) -> None:
         stage = s.stage
         if stage is Stage.CORE:
-            read_pending()  # read its in-flight exit score now, while it is a core item
+            read_scores()  # read its in-flight exit score now, while it is a core item
         if stage is Stage.STALLED:
             self.stalled.remove(s)
             stage = Stage.PRELUDE

@@ -112,7 +112,8 @@ class Scheduler:
         self.last_stage: Stage | None = None
         # min_coda_batch="auto" (auto_coda.py): set by the engine, which knows the runner's padding
         self.auto: AutoCoda | None = None
-        self._pending: tuple[list[Sequence], Scores] | None = None  # pipeline: the last core step's scores
+        # pipeline: the last core step's items and exit scores, not read yet (read one core step late)
+        self._unread_scores: tuple[list[Sequence], Scores] | None = None
 
     # ---------------------------------------------------------------- state
     @property
@@ -396,7 +397,7 @@ class Scheduler:
             if need:
                 need.sort(key=_seq_id)
                 for s in need:
-                    if s.slot >= 0 and self.preemption.grow(s, self._read_pending):  # (slot < 0: preempted for an older one meanwhile)
+                    if s.slot >= 0 and self.preemption.grow(s, self._read_scores_now):  # (slot < 0: preempted for an older one meanwhile)
                         self.grown.append(s)
 
     @staticmethod
@@ -414,7 +415,7 @@ class Scheduler:
         step's scores are read here, and they already decide who exits after this step."""
         exited = []
         if self.pipeline:
-            prev, self._pending = self._pending, (seqs, scores)
+            prev, self._unread_scores = self._unread_scores, (seqs, scores)
             if prev is not None:
                 self._score(*prev)
             for s in seqs:
@@ -456,7 +457,7 @@ class Scheduler:
         """Blocks admission leaves free for running sequences to grow (none if nothing runs)."""
         return self.watermark if self.num_running + admitted > 0 else 0
 
-    def _read_pending(self) -> None:
+    def _read_scores_now(self) -> None:
         """Pipeline: read the in-flight core step's exit scores now (a core item is leaving: preemption.py)."""
-        if self._pending is not None:
-            self._score(*self._pending)
+        if self._unread_scores is not None:
+            self._score(*self._unread_scores)

@@ -112,9 +112,10 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     forced_greedy: bool = True  # teacher forcing: every forced token so far was the argmax
     # on-device token re-entry (EngineConfig.async_scheduling): output tokens at the end of output_ids
-    # whose ids are still on the device (a placeholder, -1, until OutputProcessor.resolve reads them);
-    # 0 or 1. Their exit depths are known; their time, log-prob and text come with the id.
-    pending: int = 0
+    # whose ids are still on the device, unread by the host (a placeholder, -1, until
+    # OutputProcessor.resolve reads them); 0 or 1. Their exit depths are known; their time, log-prob
+    # and text come with the id.
+    unread_ids: int = 0
     generator: object = None  # the request's torch.Generator (sampling with a seed)
 
     def __post_init__(self, eos_ids: frozenset[int], max_model_len: int | None) -> None:
@@ -136,7 +137,7 @@ class Sequence:
     @property
     def num_resolved(self) -> int:
         """Output tokens whose ids the host knows (what outputs and streams show)."""
-        return len(self.output_ids) - self.pending
+        return len(self.output_ids) - self.unread_ids
 
     @property
     def finished(self) -> bool:
@@ -164,5 +165,5 @@ OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "output": (frozenset({"infer/engine/output.py"}),
                ("output_ids", "exit_depths", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
                 "text", "stop_checked", "first_token_time", "finish_time", "token_times",
-                "forced_greedy", "generator", "pending")),
+                "forced_greedy", "generator", "unread_ids")),
 }
