@@ -11,7 +11,7 @@ import torch
 from infer import SamplingParams
 from infer.bench import drive
 from infer.engine.block_manager import kv_rows
-from infer.engine.sequence import Sequence, Stage
+from infer.engine.sequence import Sequence, Stage, Status
 from infer.engine.reference import reference_generate
 from looplm import ExitPolicy, tiny_model
 
@@ -259,7 +259,7 @@ def check_blocks(sch, bm):
     assert cached <= set(bm.hash_of) and not free & set(bm.hash_of)
     assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
     for s in sch.preemption.holders():
-        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.stage is Stage.STALLED)
+        assert len(s.blocks) * bm.block_size >= s.position + 1 - (s.status is Status.STALLED)
     for s in holders:  # Sequence.room follows every table change (the BlockManager keeps it)
         assert s.room == len(s.blocks) * bm.block_size - len(s.prompt_ids)
 

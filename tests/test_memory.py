@@ -11,7 +11,7 @@ from infer import EngineConfig, LLMEngine, SamplingParams
 from infer.engine.block_manager import BlockManager
 from infer.engine.config import CPU_KV_MEMORY
 from infer.engine.scheduler import Scheduler
-from infer.engine.sequence import Sequence, Stage
+from infer.engine.sequence import Sequence, Stage, Status
 from looplm import ExitPolicy, tiny_model
 from looplm.model import LoopedLM
 
@@ -176,7 +176,7 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
         assert len(owned) + len(bm.free_blocks) == bm.num_blocks
         assert sorted(s.slot for s in holders) == sorted(set(s.slot for s in holders))
         for s in holders:
-            assert len(s.blocks) * 4 >= s.position + 1 - (s.stage is Stage.STALLED)
+            assert len(s.blocks) * 4 >= s.position + 1 - (s.status is Status.STALLED)
             assert s.room == len(s.blocks) * 4 - len(s.prompt_ids)  # Sequence.room follows every table change (the BlockManager keeps it)
         steps += 1
         assert steps < 100000, "deadlock"
@@ -222,9 +222,9 @@ def test_batch_state_oracle_catches_a_stale_table():
     bs = eng.runner.batch_state
     for _ in range(100):  # run on until a prelude has uploaded positions and tables: items wait for a core step
         eng.step()
-        if any(s.output_ids and s.stage is Stage.CORE for s in seqs):
+        if any(s.output_ids and s.status is Status.RUNNING and s.stage is Stage.CORE for s in seqs):
             break
-    live = [s for s in seqs if s.stage is Stage.CORE]
+    live = [s for s in seqs if s.status is Status.RUNNING and s.stage is Stage.CORE]
     bs.check(live)  # consistent
     s = live[0]
     bs.bt[s.slot, 0] += 1

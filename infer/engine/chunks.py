@@ -42,7 +42,7 @@ from collections import deque
 from typing import Callable
 
 from .block_manager import BlockManager, block_hashes
-from .sequence import Sequence, Stage
+from .sequence import Sequence, Stage, Status
 
 STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
 
@@ -106,7 +106,7 @@ class ChunkQueues:
             else:
                 self.partial.popleft()
             s.chunk, s.step = (s.prefilled, s.prefilled + n), 0
-            s.stage = Stage.PRELUDE
+            s.status, s.stage = Status.RUNNING, Stage.PRELUDE
             out.append(s)
             room -= n
         self.at[Stage.PRELUDE].extend(out)
@@ -137,7 +137,7 @@ class ChunkQueues:
             if s.prefilled == len(s.prompt_ids):
                 done.append(s)
             else:
-                s.stage = Stage.PREFILL
+                s.stage = Stage.PREFILL  # (running: its next chunk waits for admission)
                 self.partial.append(s)
         return done
 

@@ -13,9 +13,10 @@ recomputed. Host swap space is counted in blocks; when it is full the sequence t
 waits (`stalled`) while others run, unless nothing else could run (then it is swapped out all the
 same: `swap_overcommits`, so that nothing deadlocks).
 
-Where a preempted sequence waits is its `stage`: `Stage.STALLED` (in `stalled`, holding its blocks
-and slot, back to the prelude queue once a block is free) or `Stage.SWAPPED` (in `swapped`, holding
-neither; the entry keeps the stage it returns to and the blocks its host copy holds).
+Where a preempted sequence waits is its `status`: `Status.STALLED` (in `stalled`, holding its blocks
+and slot, back to the prelude queue once a block is free) or `Status.SWAPPED` (in `swapped`, holding
+neither; the entry keeps the stage it returns to and the blocks its host copy holds). Its `stage`
+stays the queue it returns to; it is RUNNING again once back in that queue.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from operator import attrgetter
 from typing import Callable
 
 from .block_manager import BlockManager
-from .sequence import Sequence, Stage
+from .sequence import Sequence, Stage, Status
 
 # the preemption order: the worst priority first (scheduling_policy "priority"; under fcfs every
 # priority is 0), then the most recently admitted (seq_ids grow with arrival)
@@ -70,7 +71,7 @@ class Preemption:
     def drop(self, seq: Sequence) -> None:
         """Forget a stalled or swapped sequence (aborted): it leaves its container, and a swapped
         one's host copy goes."""
-        if seq.stage is Stage.STALLED:
+        if seq.status is Status.STALLED:
             self.stalled.remove(seq)
             return
         for i, (s, _, _) in enumerate(self.swapped):
@@ -94,7 +95,7 @@ class Preemption:
                     self.counters["stalls"] += 1
                     self.prelude_q.remove(s)
                     self.stalled.append(s)
-                    s.stage = Stage.STALLED
+                    s.status = Status.STALLED  # (its stage stays PRELUDE: the queue it returns to)
                     return False
                 self.counters["swap_overcommits"] += 1  # nothing else could run: never deadlock
             self.swap_out(victim, read_scores)
@@ -103,13 +104,12 @@ class Preemption:
         return True
 
     def swap_out(self, s: Sequence, read_scores: Callable[[], None]) -> None:
-        stage = s.stage
-        if stage is Stage.CORE:
-            read_scores()  # read its in-flight exit score now, while it is a core item
-        if stage is Stage.STALLED:
+        stage = s.stage  # the queue it returns to (a stalled one's: PRELUDE)
+        if s.status is Status.STALLED:
             self.stalled.remove(s)
-            stage = Stage.PRELUDE
         else:
+            if stage is Stage.CORE:
+                read_scores()  # read its in-flight exit score now, while it is a core item
             self.queues[stage].remove(s)
         n = len(s.blocks)
         self.ops.append(SwapOp("out", s, s.blocks, s.slot))  # (keeps the old table: free_seq gives s a new one)
@@ -118,7 +118,7 @@ class Preemption:
         self.swapped.sort(key=lambda x: _rank(x[0]))  # (resumed from the front: the best priority, oldest first)
         self.counters["preemptions"] += 1
         self.counters["swapped_out_blocks"] += n
-        s.stage = Stage.SWAPPED
+        s.status = Status.SWAPPED
 
     def resume(self, keep_free: Callable[[int], int]) -> list[Sequence]:
         """Before scheduling: stalled sequences take freed blocks, then swapped ones come back,
@@ -131,7 +131,7 @@ class Preemption:
                 break
             self.stalled.remove(s)
             self.prelude_q.append(s)
-            s.stage = Stage.PRELUDE
+            s.status = Status.RUNNING  # (its stage: PRELUDE)
             back.append(s)
         while self.swapped and not self.stalled:
             s, stage, n = self.swapped[0]
@@ -143,5 +143,5 @@ class Preemption:
             back.append(s)
             self.counters["swapped_in_blocks"] += n
             self.queues[stage].append(s)
-            s.stage = stage
+            s.status, s.stage = Status.RUNNING, stage
         return back

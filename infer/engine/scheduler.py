@@ -29,7 +29,9 @@ blocks of its prompt's head shared read-only: chunks.py), leaving a watermark fr
 moves to the prelude queue gets the block of its next row first, and when none is free someone
 is preempted (preemption.py: swap out, stall, resume). These files decide when; the BlockManager
 changes the block tables and slots (`allocate_seq`, `grow_seq`, `shrink_seq`, `free_seq`). Each
-sequence's `stage` names the one container that holds it (`finish` takes it out of exactly that one).
+sequence's `status` (and, running, its `stage`) names the one container that holds it (`finish`
+takes it out of exactly that one): WAITING the waiting queue, STALLED and SWAPPED preemption's,
+RUNNING the queue of its stage (or the chunk queues while its prompt is prefilled).
 
 `postprocess(work, ...)` applies a stage's outcome: who moves to which queue, who finished. With
 the lookahead pipeline a core step's exit scores are read one core step late (while the next
@@ -50,13 +52,15 @@ from .auto_coda import AutoCoda
 from .block_manager import BlockManager
 from .chunks import ChunkQueues, final_chunks
 from .preemption import Preemption, SwapOp
-from .sequence import Sequence, Stage
+from .sequence import Sequence, Stage, Status
 
 if TYPE_CHECKING:
     from .config import EngineConfig
 
 PREFILL, PRELUDE, CORE, CODA, FUSED, SPEC = (Stage.PREFILL, Stage.PRELUDE, Stage.CORE, Stage.CODA, Stage.FUSED,
                                              Stage.SPEC)
+WAITING, RUNNING, STALLED, SWAPPED, FINISHED = (Status.WAITING, Status.RUNNING, Status.STALLED, Status.SWAPPED,
+                                                 Status.FINISHED)
 _seq_id = attrgetter("seq_id")
 
 
@@ -141,7 +145,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request: last (fcfs), or behind every waiting request of its priority or a
         better one (scheduling_policy "priority"), so the head is always the next to admit."""
-        seq.stage = PREFILL
+        seq.status, seq.stage = WAITING, PREFILL
         q = self.waiting
         if self.cfg.scheduling_policy == "priority" and q and q[-1].priority > seq.priority:
             i = len(q) - 1
@@ -152,25 +156,26 @@ class Scheduler:
             q.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence (stopped or aborted) out of the one container its stage names, and
-        release its memory."""
-        st = seq.stage
-        if seq.chunk is not None or st is PREFILL and seq.slot >= 0:  # prefilling: the runner holds chunk state
-            self.chunks.drop(seq)
-            self.released.append(seq)
-        elif st is PREFILL:
+        """Take a sequence (stopped or aborted) out of the one container its status (running: its
+        stage) names, and release its memory."""
+        st = seq.status
+        if st is RUNNING:
+            if seq.chunk is not None or seq.stage is PREFILL:  # prefilling: the runner holds chunk state
+                self.chunks.drop(seq)
+                self.released.append(seq)
+            else:
+                self.queues[seq.stage].remove(seq)
+        elif st is WAITING:
             self.waiting.remove(seq)
-        elif st is Stage.STALLED or st is Stage.SWAPPED:
+        elif st is STALLED or st is SWAPPED:
             self.preemption.drop(seq)
-        elif st is not None:
-            self.queues[st].remove(seq)
         self._release(seq, reason)
 
     def _release(self, seq: Sequence, reason: str) -> None:
         """Free a finished sequence's blocks and slot (it is in no container any more)."""
         if seq.blocks or seq.slot >= 0:
             self.blocks.free_seq(seq)
-        seq.stage, seq.finish_reason = None, reason
+        seq.status, seq.finish_reason = FINISHED, reason
 
     # ---------------------------------------------------------------- policy
     def schedule(self) -> Work | None:
@@ -296,6 +301,7 @@ class Scheduler:
             self.blocks.allocate_seq(seq, need)
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.perf_counter()
+            seq.status = RUNNING  # (its stage: PREFILL, this launch)
             batch.append(self.waiting.popleft())
             tokens += n
         self.changed += batch
@@ -446,7 +452,8 @@ class Scheduler:
         if scores is None:
             return
         for s, x in zip(items, scores.get()):
-            if s.stage is CORE and s.step_scored < s.step:  # still looping on the step that was scored
+            # still looping on the step that was scored (not preempted or finished since)
+            if s.stage is CORE and s.status is RUNNING and s.step_scored < s.step:
                 t = s.tracker
                 if t.open:
                     t.after_step(s.step, x)

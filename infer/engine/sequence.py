@@ -1,9 +1,13 @@
-"""A request's bookkeeping as it moves through the four queues, and the stage enum. Pure Python.
+"""A request's bookkeeping as it moves through the four queues, and two enums. Pure Python.
 
-`Stage` names both what the engine runs in one step (a prefill, a prelude, one core step, a coda,
-CB's fused iteration, or a speculative draft-and-verify of a few sequences) and where a running
-sequence waits: `seq.stage` is the stage it takes part in next (PREFILL = the waiting queue; CB's
-fused iteration consumes the PRELUDE queue).
+`Status` is where a request is in its life (vLLM V1's RequestStatus): waiting for admission,
+running (it holds KV blocks and a state slot), preempted (stalled or swapped out), finished.
+`Stage` is a launch kind, what the engine runs in one step: a prefill, a prelude, one core step, a
+coda, CB's fused iteration, or a speculative draft-and-verify of a few sequences. A running
+sequence's `stage` is the launch it takes part in next, whose queue holds it (PREFILL: its prompt
+is being prefilled: in a separate prefill launch, or between two chunks under mixed prefill; CB's
+fused iteration consumes the PRELUDE queue). A preempted sequence's `stage` is the queue it goes
+back to; a waiting one's is PREFILL; a finished one keeps its last.
 
 A `Sequence` has four parts, each written by one owner (vLLM V1's Request / KV cache manager /
 scheduler state / output state; `OWNERS` names them and tests/test_sequence_owners.py checks every
@@ -13,9 +17,9 @@ write in infer/):
 - its KV memory: block table, state slot and `room`, changed only by the BlockManager
   (block_manager.py: `allocate_seq`, `grow_seq`, `shrink_seq`, `free_seq`), which keeps `room`
   right with every table change; the scheduler decides when;
-- the scheduler's state: the queue it waits in, its loop step, its prompt chunk in flight, its
-  exit tracker, why it finished (scheduler.py and its parts chunks.py, preemption.py; the output
-  processor decides a stop's reason, `Scheduler.finish` records it);
+- the scheduler's state: its status, the queue it waits in, its loop step, its prompt chunk in
+  flight, its exit tracker, why it finished (scheduler.py and its parts chunks.py, preemption.py;
+  the output processor decides a stop's reason, `Scheduler.finish` records it);
 - the output processor's state: tokens, exit depths, log-probs, text, times (output.py).
 A *chunk* is always a span of prompt positions prefilled in one launch (mixed prefill); the k
 positions a speculative stage verifies are a *window* (spec_plan.py).
@@ -31,6 +35,17 @@ from looplm.policy import ExitPolicy, ExitTracker
 from .sampling import SamplingParams
 
 
+class Status(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue, not admitted: holds no memory
+    RUNNING = "running"  # admitted: holds its blocks and slot, in the queue of its `stage` (or prefilling in chunks)
+    # preempted (preemption.py)
+    STALLED = "stalled"  # holds its blocks and slot, waits for the block of its next row
+    SWAPPED = "swapped"  # its KV and state are in host memory
+    FINISHED = "finished"  # stopped or aborted: holds nothing (`finish_reason` says why)
+
+    __hash__ = object.__hash__  # (as Stage's: identity)
+
+
 class Stage(enum.Enum):
     PREFILL = "prefill"  # whole prompts at full depth; queue 1 (waiting)
     PRELUDE = "prelude"  # decode tokens -> loop state; queue 2
@@ -38,9 +53,6 @@ class Stage(enum.Enum):
     CODA = "coda"  # exited tokens -> logits; queue 4
     FUSED = "fused"  # CB: prelude + r_max core steps + coda in one launch
     SPEC = "spec"  # self-speculation: draft + verify a window of positions per sequence (speculative.py); consumes queue 2
-    # not stages the engine runs: where a preempted sequence waits (preemption.py)
-    STALLED = "stalled"  # holds its blocks and slot, waits for the block of its next row
-    SWAPPED = "swapped"  # its KV and state are in host memory
 
     # Members are singletons compared by identity, so identity is a valid hash; Enum's own
     # __hash__ is a Python-level hash(name), paid at every Stage-keyed lookup of every stage.
@@ -79,7 +91,8 @@ class Sequence:
     extras: bool = field(init=False)  # teacher-forced or asks for log-probs: OutputProcessor._extras handles its row
     sampled: bool = field(init=False)  # temperature > 0 and not teacher-forced
     # ---- the scheduler's state
-    stage: Stage | None = Stage.PREFILL  # the queue it waits in; None once finished
+    status: Status = Status.WAITING  # where it is in its life (the module docstring)
+    stage: Stage = Stage.PREFILL  # RUNNING: the launch it takes part in next, whose queue holds it
     finish_reason: str | None = None
     # ---- its KV memory (written by block_manager.py only)
     blocks: list[int] = field(default_factory=list)  # KV block table
@@ -160,7 +173,7 @@ OWNERS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
                               "text_prompt", "forced", "priority", "stop_ids", "max_out", "extras", "sampled")),
     "kv": (frozenset({"infer/engine/block_manager.py"}), ("blocks", "room", "slot")),
     "scheduler": (frozenset({"infer/engine/scheduler.py", "infer/engine/chunks.py", "infer/engine/preemption.py"}),
-                  ("stage", "finish_reason", "step", "prefilled", "block_hashes", "chunk", "step_scored",
+                  ("status", "stage", "finish_reason", "step", "prefilled", "block_hashes", "chunk", "step_scored",
                    "tracker", "scheduled_time")),
     "output": (frozenset({"infer/engine/output.py"}),
                ("output_ids", "exit_depths", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
