@@ -71,8 +71,7 @@ def modes(model: str, workload: str, k: int | str | None = None, ks=()) -> list[
     refill = {"policy": "cdb", "refill": True}
     return [{"name": "cb", "policy": "cb"}, {"name": "cdb-norefill", "policy": "cdb", "refill": False},
             {"name": "cdb-refill", **refill, "min_coda_batch": coda_batch(model, workload) if k is None else k}] + \
-        [{"name": f"cdb-refill-k{x}", **refill, "refill": x if x == "auto" else True, "min_coda_batch": x}
-         for x in ks]  # (auto: both, the defaults)
+        [{"name": f"cdb-refill-k{x}", **refill, "min_coda_batch": x} for x in ks]
 
 
 def sim_knees(model: str, workload: str, num_requests: int = 1024, seed: int = 0, k: int | str | None = None,
