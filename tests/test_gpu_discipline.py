@@ -338,6 +338,52 @@ def test_engine_equals_reference_through_graph_replay(arch, mode, layout, lookah
     assert eng.blocks.all_free and graphs.replays > len(graphs.graphs) > 0
 
 
+# launches that carry prompt chunks replay graphs on the paged path (mixed.py): every mode once, the two
+# archs and two depth-indexed layouts in turn (chunked prefill needs one), lookahead on the refill modes
+MIXED_REPLAY = [("ouro-tiny", "cb", "last_exited", False), ("huginn-tiny", "norefill", "full_depth", False),
+                ("ouro-tiny", "refill_k1", "full_depth", True), ("huginn-tiny", "refill_k4", "last_exited", True)]
+
+
+@pytest.mark.parametrize("arch,mode,layout,lookahead", MIXED_REPLAY)
+def test_launches_with_prompt_chunks_replay_graphs_and_equal_reference(arch, mode, layout, lookahead):
+    """On the paged path every launch replays a graph, those carrying prompt chunks too: each chunk
+    position an item in a token slot, the launch padded on the graph ladder past max_batch_size.
+    With a budget of 8 tokens, prompts up to 20 tokens ride in chunks beside decode items; the
+    tokens, exit depths and log-probs equal the reference decoder's, no launch ran its body eagerly,
+    and keys past the decode sizes were replayed. The stand-in (graph_replay.py) checks that nothing
+    the bodies decide on the host, and no output read after the next replay, changes the result."""
+    seed = stable_seed("mixed-replay", arch, mode, layout, lookahead)
+    shape = dict(n=6, prompt_len=(1, 20), max_new=(1, 8))
+    full = mode == "cb" or layout == "full_depth"
+    refs = reference(arch, layout, lookahead, full, seed % 4, **shape)
+    eng = LLMEngine(fresh_model(arch).requires_grad_(False),
+                    EngineConfig(max_batch_size=3, max_prefill_tokens=8, kv_cache_tokens=512, block_size=4,
+                                 attention_backend="paged", **engine_settings(mode, layout, lookahead)))
+    graphs = graph_replay.install(eng)
+    calls = Counter()
+    launch, replay = eng.runner._launch, graphs.run
+
+    def counted_launch(work):  # (instance attributes: the runner's stage methods call self._launch)
+        calls["launches"] += 1
+        calls["with_chunks"] += bool(work.chunks)
+        return launch(work)
+
+    def counted_replay(*a, **k):
+        calls["replays"] += 1
+        return replay(*a, **k)
+    eng.runner._launch, graphs.run = counted_launch, counted_replay
+    seqs = run_staggered(eng, random_requests(seed % 4, **shape), seed, join=0.3)
+    for i, (s, r) in enumerate(zip(seqs, refs)):
+        assert s.output_ids == r.token_ids and s.exit_depths == r.exit_depths, f"seed {seed}, request {i}"
+        assert max(abs(a - b) for a, b in zip(s.logprobs, r.logprobs)) < 1e-10, f"seed {seed}, request {i}"
+    print(arch, mode, layout, lookahead, dict(calls))
+    assert calls["with_chunks"] > 0 and calls["replays"] == calls["launches"], dict(calls)  # no launch ran eagerly
+    assert eng.blocks.all_free and len(eng.runner.token_slots.free) == eng.config.max_launch_tokens()
+    cap = eng.runner.padded(eng.config.max_batch_size)
+    big = [k for k in graphs.graphs if (k[1] // 2 if k[0].reads_tokens else k[1]) > cap]
+    assert big and graphs.replays > len(graphs.graphs), sorted(graphs.graphs, key=str)
+
+
 @pytest.mark.parametrize("arch,criterion", [("ouro-tiny", "preloop"), ("huginn-tiny", "lookahead_gate")])
 def test_distilled_heads_equal_reference_through_graph_replay(arch, criterion):
     """The two criteria whose scores leave the prelude (preloop) or decide a step ahead (the

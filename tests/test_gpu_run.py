@@ -274,8 +274,8 @@ def test_attention_backend_in_lm_eval_model_args():
 def test_paged_graphs_are_captured_at_start_up():
     """attention_backend="paged" switches the runner before the engine captures: the graphs captured at
     start-up run paged (no recapture, no SDPA graph in the pool)."""
-    with use_stand_in():
-        eng = LLMEngine(model("huginn-tiny"), EngineConfig(attention_backend="paged", **SMALL))
+    with use_stand_in():  # (a budget of 8 tokens: few keys of launches with prompt chunks)
+        eng = LLMEngine(model("ouro-tiny"), EngineConfig(attention_backend="paged", **{**SMALL, "max_prefill_tokens": 8}))
     assert eng.runner.batch_state.paged and eng.graph_capture["captured"] > 0
     ops = {n.target for gm, _ in eng.runner.graphs.graphs.values() for n in gm.graph.nodes if n.op == "call_function"}
     assert not any("scaled_dot_product" in str(t) for t in ops), "an SDPA graph was captured"
@@ -306,14 +306,17 @@ def test_engine_equals_reference_with_paged_attention(arch, mode, layout, lookah
     assert eng.blocks.all_free
 
 
-@pytest.mark.parametrize("arch,policy", [("ouro-tiny", "cb"), ("huginn-tiny", "cdb")])
-def test_the_reserve_counts_the_graphs_static_outputs(arch, policy):
+@pytest.mark.parametrize("arch,policy,attention", [("ouro-tiny", "cb", "sdpa"), ("huginn-tiny", "cdb", "sdpa"),
+                                                    ("ouro-tiny", "cdb", "paged")])
+def test_the_reserve_counts_the_graphs_static_outputs(arch, policy, attention):
     """memory.graph_output_bytes (in the CUDA reserve) equals the logits buffers the start-up capture
-    keeps, one per emitting key (CB's fused, CDB's coda), with a pool that holds the whole context."""
+    keeps, one per emitting key (CB's fused, CDB's coda; on the paged path the keys of launches with
+    prompt chunks too), with a pool that holds the whole context."""
     from infer.engine.memory import graph_output_bytes
-    m = model(arch)
+    m = fresh_model(arch).requires_grad_(False)  # (the stand-in's trace of FlexAttention needs frozen weights)
     with use_stand_in():
-        eng = LLMEngine(m, EngineConfig(policy=policy, max_batch_size=4, kv_cache_tokens=m.cfg.max_position))
+        eng = LLMEngine(m, EngineConfig(policy=policy, max_batch_size=4, kv_cache_tokens=m.cfg.max_position,
+                                        max_prefill_tokens=8, block_size=8, attention_backend=attention))
     kept = sum(out.numel() * out.element_size() for key, (_, out) in eng.runner.graphs.graphs.items()
                if out is not None and key[0].emits)
     assert kept > 0 and graph_output_bytes(eng.config, m.cfg, m.dtype) == kept

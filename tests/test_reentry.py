@@ -70,10 +70,10 @@ def test_the_next_prelude_is_launched_before_the_ids_are_read(arch):
         uploads = []
         real = eng.runner.batch_state.upload
 
-        def upload(seqs, tokens=False, context=True):
+        def upload(seqs, tokens=False, context=True, riders=None):
             if tokens:
                 uploads.append([s.output_ids[-1] for s in seqs])
-            return real(seqs, tokens, context)
+            return real(seqs, tokens, context, riders)
         eng.runner.batch_state.upload = upload
         for p, n in random_requests(5, n=3, max_new=(6, 8)):
             eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))

@@ -10,6 +10,11 @@ launch moves each of its slots one position on, since every decode token passes 
 one. The host keeps no per-token mirror: it knows which block tables it sent (`_own`, `_nblk`),
 and the context length of a batch is its longest block table.
 
+Prompt chunks ride as items of their own (mixed.py): each position of a chunk in flight holds a
+*token slot*, a row after the sequences' slots with its own position and loop step whose block
+table is its sequence's (`owner`), written once when the chunk enters (`Riders`). So a launch
+carrying chunks gathers its batch like a decode launch, and can replay a graph as one.
+
 The incremental state is a cache of what the Sequences say; `check(seqs)` is its oracle: it
 rebuilds the state of `seqs` from scratch and compares it with the device's (tests call it after
 every decode launch).
@@ -17,6 +22,7 @@ every decode launch).
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Callable
 
@@ -43,11 +49,31 @@ def to_device(xs: list | array | torch.Tensor, device: torch.device, dtype: torc
 
 
 # The launch shapes, in one place (the model runner pads by them, infer/sim/runner.py prices them)
-def padded_batch(n: int, max_batch_size: int, pad_pow2: bool) -> int:
-    """The batch a launch of n decode items runs at: the next power of two, so that graphs and
-    kernels see a few shapes, but no larger than the next power of two of max_batch_size (a mixed
-    launch's prompt rows make n larger: then n itself)."""
-    return min(next_pow2(n), max(next_pow2(max_batch_size), n)) if pad_pow2 else n
+def padded_batch(n: int, max_batch_size: int, pad_pow2: bool, ladder: bool = False) -> int:
+    """The batch a launch of n items runs at: the next power of two, so that graphs and kernels see a
+    few shapes, but no larger than the next power of two of max_batch_size. A mixed launch's prompt
+    positions make n larger: then n itself, or with `ladder` (the paged path: graphs and the compiled
+    kernel see few shapes) the next power of two, from 256 on with midpoints (256, 384, 512, 768, ...:
+    at most a third padding where launches are large)."""
+    if not pad_pow2:
+        return n
+    cap = next_pow2(max_batch_size)
+    if n <= cap or not ladder:
+        return min(next_pow2(n), max(cap, n))
+    p = next_pow2(n)
+    return p * 3 // 4 if p >= 512 and n <= p * 3 // 4 else p
+
+
+@dataclass
+class Riders:
+    """The prompt chunks riding in a launch as the upload sends them (mixed.py): their items' token
+    slots in item order (after the decode items), the prompt ids they embed (stages that embed
+    tokens), (token slot, position before, owner slot) of each item entering the loop now (prelude,
+    fused), and the sequences whose block tables they read."""
+    slots: list[int]
+    owners: list
+    ids: list[int] = field(default_factory=list)
+    fresh: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def table_width(max_position: int, block_size: int, num_blocks: int) -> int:
@@ -64,31 +90,38 @@ def context_blocks(nb: int, width: int, bucketed: bool) -> int:
 
 class BatchState:
     def __init__(self, num_slots: int, block_size: int, max_position: int, num_blocks: int, scratch_row: int,
-                 padded: Callable[[int], int], device: torch.device):
+                 padded: Callable[[int], int], device: torch.device, token_slots: int = 0):
         """`num_slots` state slots, the last of which is the scratch slot of padding items (its
-        table stays 0, its rows are the layout's `scratch_row`); `padded(n)`: the padded batch size."""
-        S, B = num_slots, block_size
+        table stays 0, its rows are the layout's `scratch_row`), then `token_slots` token slots (one
+        per prompt position in flight); `padded(n)`: the padded batch size."""
+        S, B, T = num_slots, block_size, token_slots
         MB = table_width(max_position, B, num_blocks)
         self.block_size, self.device, self.padded, self.scratch_row = B, device, padded, scratch_row
         self.scratch_slot = S - 1
         long = dict(dtype=torch.long, device=device)
-        # one flat tensor: [S, 2] (position, loop step), then the block tables [S, MB], so that the
-        # rewrites of a stage are one index_copy_ of (flat index, value) pairs
-        self._flat = torch.zeros(S * 2 + S * MB, **long)
-        self.slot_meta = self._flat[:2 * S].view(S, 2)
-        self.pos, self.step = self.slot_meta.unbind(1)
-        self.bt = self._flat[2 * S:].view(S, MB)
+        # one flat tensor: [S + T, 3] (position, loop step, the slot whose block table it reads), then the
+        # block tables [S, MB], so that the rewrites of a stage are one index_copy_ of (flat index, value) pairs
+        self._flat = torch.zeros((S + T) * 3 + S * MB, **long)
+        self.slot_meta = self._flat[:3 * (S + T)].view(S + T, 3)
+        self.pos, self.step, self.owner = self.slot_meta.unbind(1)
+        self.owner.copy_(torch.cat([torch.arange(S, **long), torch.full((T,), S - 1, **long)]))
+        self._bt0 = 3 * (S + T)  # where the block tables start in _flat
+        self.bt = self._flat[self._bt0:].view(S, MB)
         self._j = torch.arange(MB * B, **long)  # context offsets, sliced per stage
         # on-device token re-entry (EngineConfig.async_scheduling): each slot's last sampled id, written
         # on the device by the stage that sampled it (ModelRunner.reenter); a prelude or fused item
         # whose token the host has not read yet is uploaded as -1 and embeds this one instead
-        self.tok = torch.zeros(S, **long)
+        self.tok = torch.zeros(S + T, **long)
         # paged attention (stages.paged_attention): decode attention reads each item's own blocks
         # through the block tables instead of gathering every context to the longest. Set by
         # ModelRunner.enable_paged (EngineConfig.attention_backend="paged", the CUDA default)
         self.paged = False
         # contexts padded to power-of-two buckets (CUDA: few graph keys; a graph-replay emulator on CPU too)
         self.bucketed = device.type == "cuda"
+        # the rows that get the head (and a core step's exit scores): the first padded(max_batch_size),
+        # where a mixed launch puts its decode items and final chunk positions (mixed.py); set by the runner
+        self.head_rows = 1 << 62
+        self.ladder = False  # (the paged path) mixed launches padded on the ladder of padded_batch: few shapes
         self.flex = None  # a compiled flex_attention for paged attention on CUDA (ModelRunner.enable_paged)
         # inverse page table: each block's index in its owner's table (one entry more: the block of
         # the layout's scratch row); stale entries of freed blocks are harmless (see PagedContext)
@@ -126,27 +159,31 @@ class BatchState:
                 self.invalidate(sl)
 
     # ------------------------------------------------------------------ the upload
-    def upload(self, seqs: list[Sequence], tokens: bool = False, context: bool = True) -> tuple[torch.Tensor, int]:
+    def upload(self, seqs: list[Sequence], tokens: bool = False, context: bool = True,
+               riders: Riders | None = None) -> tuple[torch.Tensor, int]:
         """Bring the per-slot state up to date with one host-to-device copy. Returns the stage's
-        input, the padded batch's slots [N] (padding: the scratch slot), followed with `tokens` by
-        each item's last token [N], and its context length in blocks (1 without `context`: a stage
-        with no attention layer, Ouro's prelude, reads none). A stage over the same
-        sequences as the previous one with nothing to send (consecutive core steps) reuses the
-        previous slots: no copy, no per-item work."""
+        input, the padded batch's slots [N] (the decode items', then `riders`' token slots; padding:
+        the scratch slot), followed with `tokens` by each item's token [N], and its context length in
+        blocks (1 without `context`: a stage with no attention layer, Ouro's prelude, reads none). A
+        stage over the same sequences as the previous one with nothing to send (consecutive core
+        steps) reuses the previous slots: no copy, no per-item work."""
         redo, grown = self._redo, self._grown
-        if not tokens and not redo and not grown and seqs == self._prev[0]:  # identity compare, C speed
+        if riders is None and not tokens and not redo and not grown and seqs == self._prev[0]:  # identity compare
             if not context:  # (a coda without attention layers after the core step of the same items)
                 return self._prev[1], 1
             if self.attention_stats is not None:
                 self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
             return self._prev[1], self._prev[2]
-        own, nblk, MB, S = self._own, self._nblk, self.bt.shape[1], self.slot_meta.shape[0]
+        own, nblk, MB, S = self._own, self._nblk, self.bt.shape[1], self.bt.shape[0]
+        if riders is not None:  # the tables the chunks read, where the device lacks them (rewritten whole)
+            redo = redo + [s for s in riders.owners if own[s.slot] is not s or nblk[s.slot] != len(s.blocks)]
         idx: list[int] = []  # flat indices into _flat (position, loop step, block-table entries)
         val: list[int] = []
         new_pages: list[int] = []  # (block, its index in the table) for the paged path's inverse table
         # rewrites (redo: position, loop step, and the table from what the device holds of it) and
         # growth (grown: the new table entries only; the device holds the rest, the position and
         # the loop step, unless the table never reached it: admitted or swapped in since)
+        bt0 = self._bt0
         for s, meta in chain(zip(grown, repeat(False)), zip(redo, repeat(True))) if grown or redo else ():
             sl = s.slot
             if sl < 0:  # finished or swapped out since
@@ -154,36 +191,44 @@ class BatchState:
             blocks = s.blocks
             held = own[sl] is s and nblk[sl] <= len(blocks)
             if meta or not held:
-                idx += (2 * sl, 2 * sl + 1)
+                idx += (3 * sl, 3 * sl + 1)
                 val += (self.position_of(s), s.step)
             own[sl] = s
             for c in range(nblk[sl] if held else 0, len(blocks)):
-                idx.append(2 * S + sl * MB + c)
+                idx.append(bt0 + sl * MB + c)
                 val.append(blocks[c])
                 new_pages += (blocks[c], c)
             nblk[sl] = len(blocks)
         if grown:
             self._grown = []
-        if redo:
+        if self._redo:
             self._redo = []
         slots = [s.slot for s in seqs]
         nb = max(map(nblk.__getitem__, slots)) if context and slots else 1
-        n, N = len(seqs), self.padded(len(seqs))
-        head = slots + [self.scratch_slot] * (N - n)
+        n = len(seqs)
+        if riders is not None:
+            for t, pos, owner in riders.fresh:  # a chunk position entering the loop: its metadata, once
+                idx += (3 * t, 3 * t + 1, 3 * t + 2)
+                val += (pos, 0, owner)
+            if context and riders.owners:
+                nb = max(nb, max(nblk[s.slot] for s in riders.owners))
+            slots = slots + riders.slots
+        N = self.padded(len(slots), ladder=self.ladder)
+        head = slots + [self.scratch_slot] * (N - len(slots))
         if tokens:  # the token each item embeds: its last output (-1 while on the device: BatchState.tok)
-            head += [s.output_ids[-1] for s in seqs] + [0] * (N - n)
+            head += [s.output_ids[-1] for s in seqs] + (riders.ids if riders is not None else []) + [0] * (N - len(slots))
         k = len(idx)
         buf = self.to_device(array("q", head + idx + val + new_pages if self.paged else head + idx + val))
         h = len(head)
         if k:
             self._flat.index_copy_(0, buf[h:h + k], buf[h + k:h + 2 * k])
-            if self.paged:
+            if self.paged and new_pages:
                 pg = buf[h + 2 * k:].view(-1, 2)
                 self.page_index.index_copy_(0, pg[:, 0], pg[:, 1])
         inp = buf[:h] if k else buf
         if self.attention_stats is not None and context:  # (a stage without attention reads no KV)
             self._count_attention(seqs, N, nb)
-        self._prev = (seqs, inp[:N] if tokens else inp, nb) if context else (None, None, 0)
+        self._prev = (seqs, inp[:N] if tokens else inp, nb) if context and riders is None else (None, None, 0)
         return inp, nb
 
     @staticmethod
@@ -212,18 +257,19 @@ class BatchState:
 
     # ------------------------------------------------------------------ on the device
     def rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """KV rows of positions `pos` of the sequences in `slots` (the scratch row for padding)."""
+        """KV rows of positions `pos` of the items in `slots` (the scratch row for padding)."""
         B = self.block_size
-        rows = self.bt[slots, pos // B] * B + pos % B
+        rows = self.bt[self.owner[slots], pos // B] * B + pos % B
         return torch.where(slots == self.scratch_slot, self.scratch_row, rows)
 
-    def gather(self, stage: Stage, inp: torch.Tensor, nb: int, paged: bool | None = None
-               ) -> tuple[torch.Tensor, TokenBatch]:
+    def gather(self, stage: Stage, inp: torch.Tensor, nb: int, paged: bool | None = None,
+               context_items: int | None = None) -> tuple[torch.Tensor, TokenBatch]:
         """The stage's slots and TokenBatch, gathered on the device from the per-slot state (inside
         the CUDA graph when graphs are used): ids, positions, rows, loop steps, context rows
-        [N, nb * B] (or, `paged`, the block tables). A stage that embeds tokens (`inp` = slots +
-        tokens) first moves each real slot one position on: the token it embeds is the one after
-        its previous position."""
+        [N, nb * B] (or, `paged`, the block tables; `context_items`: only the first that many items'
+        context rows, the decode items of an SDPA mixed launch). A stage that embeds tokens (`inp` =
+        slots + tokens) first moves each real slot one position on: the token it embeds is the one
+        after its previous position."""
         B = self.block_size
         if stage.reads_tokens:
             N = inp.shape[0] // 2
@@ -234,13 +280,16 @@ class BatchState:
             slots, ids = inp, None
         pos = self.pos[slots]
         steps = self.step[slots] + 1 if stage is Stage.CORE else torch.ones_like(pos)
+        tables = self.bt[self.owner[slots]][:, :nb]  # (a chunk position reads its sequence's table)
         batch = TokenBatch(ids=pos if ids is None else ids, positions=pos, rows=self.rows(slots, pos), steps=steps,
-                           ctx_len=pos + 1)  # (only the prelude reads ids)
+                           ctx_len=pos + 1, scored=min(slots.shape[0], self.head_rows))  # (only the prelude reads ids)
         if self.paged if paged is None else paged:
-            batch.paged = PagedContext(self.bt[slots][:, :nb], self.page_index, B, flex=self.flex)
+            batch.paged = PagedContext(tables, self.page_index, B, flex=self.flex)
         else:
+            if context_items is not None:
+                tables, batch.ctx_len = tables[:context_items], batch.ctx_len[:context_items]
             j = self._j[: nb * B]
-            batch.ctx_rows = self.bt[slots][:, :nb][:, j // B] * B + j % B
+            batch.ctx_rows = tables[:, j // B] * B + j % B
         return slots, batch
 
     # ------------------------------------------------------------------ the oracle
@@ -251,7 +300,7 @@ class BatchState:
         and compare with what the device holds; raises AssertionError naming the first mismatch."""
         if not seqs:
             return
-        S, MB = self.slot_meta.shape[0], self.bt.shape[1]
+        S, MB = self.bt.shape
         slots = [s.slot for s in seqs]
         want_pos = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long)
         want_bt = torch.zeros(len(seqs), MB, dtype=torch.long)

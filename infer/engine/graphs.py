@@ -1,13 +1,15 @@
-"""CUDA graphs for the decode stages, one per (stage, padded batch, context blocks, r_max).
+"""CUDA graphs for the launches, one per (stage, padded batch, context blocks, r_max).
 
 The engine captures, at start-up, every key its scheduler can emit (`ModelRunner.graph_keys`:
 vLLM's capture sizes, the padded batch sizes, times the context buckets), so that no request waits
 on a capture mid-serving; a key met later anyway (CB at a request's lower r_max) is captured then.
 
-A decode stage's only per-stage input is its slots [N] (the scratch slot for padding), plus the
-items' tokens for a stage that embeds them (prelude, fused): the body gathers position, loop step
-and block table from the runner's persistent per-slot state (BatchState.gather), computes the KV
-rows on the device, and writes only the runner's static state and the KV layout. So a captured
+A launch's only per-stage input is its slots [N] (the scratch slot for padding), plus the items'
+tokens for a stage that embeds them (prelude, fused): the body gathers position, loop step and
+block table from the runner's persistent per-slot state (BatchState.gather), computes the KV rows
+on the device, and writes only the runner's static state and the KV layout. Prompt chunks riding
+along are items too (token slots, mixed.py): on the paged attention path a launch that carries
+them replays a graph of its padded item count (the keys past max_batch_size: ModelRunner.launch_sizes). So a captured
 graph replays after one device-to-device copy of that input. Warm-up and capture use the scratch
 slot only, so they never touch a real sequence's KV or state.
 

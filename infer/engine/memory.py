@@ -133,16 +133,24 @@ def launch_peaks(model: LoopedLM, c: EngineConfig) -> dict[str, int]:
 
 
 def graph_output_bytes(c: EngineConfig, cfg, dtype: torch.dtype) -> int:
-    """Bytes of the logits that the CUDA graphs keep as their static outputs, one [N, V] buffer per
+    """Bytes of the logits that the CUDA graphs keep as their static outputs, one [rows, V] buffer per
     emitting key for good (CB's fused iteration, CDB's coda; the scores of core keys are [N], noise):
     each padded batch size times the context buckets of a stage with attention layers (the keys of
-    ModelRunner.graph_keys, at the widest table a pool can give)."""
+    ModelRunner.graph_keys, at the widest table a pool can give). On the paged path launches with
+    prompt chunks have keys too, up to max_launch_tokens more items, each with the head on the first
+    padded(max_batch_size) rows (mixed.py)."""
     B, elt = c.block_size, torch.empty((), dtype=dtype).element_size()
     width = table_width(cfg.max_position, B, cfg.max_position)
-    sizes = {padded_batch(n, c.max_batch_size, c.pad_pow2) for n in range(1, c.max_batch_size + 1)}
+    cap = padded_batch(c.max_batch_size, c.max_batch_size, c.pad_pow2)
+    mixed = c.prefill == "mixed" and c.attention_backend == "paged"
+    most = c.max_batch_size + (c.max_launch_tokens() if mixed else 0)
+    sizes, n = set(), 1
+    while n <= most:  # (ModelRunner.launch_sizes' ladder)
+        sizes.add(p := padded_batch(n, c.max_batch_size, c.pad_pow2, ladder=mixed))
+        n = p + 1
     attends = c.policy == "cb" or cfg.n_coda > 0
     buckets = len({context_blocks(nb, width, True) for nb in range(1, width + 1)}) if attends else 1
-    return sum(sizes) * buckets * cfg.vocab_size * elt
+    return sum(min(x, cap) for x in sizes) * buckets * cfg.vocab_size * elt
 
 
 def activation_reserve(peaks: dict[str, int]) -> int:

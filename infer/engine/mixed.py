@@ -1,87 +1,100 @@
-"""Mixed launches: one prelude, core step, coda or fused iteration over decode items *and* prompt
-chunks (chunks.py has the scheduling). The runner gathers the decode items' batch from its batch
-state as for a decode-only launch and runs the same stage body; this module appends the chunks:
-each is a `Segment` of the batch (stages.py) whose attention is one causal SDPA over its own
-context rows, and whose positions' loop state the runner keeps between launches (by seq_id).
-Runs eagerly (no CUDA graph: a chunk's length varies per launch).
+"""Mixed launches: prompt chunks riding in a prelude, core step, coda or fused launch (chunks.py has
+the scheduling). Each position of a chunk is an item of the launch, like a decode token: it holds a
+*token slot* of the runner (a row of its loop-state buffers and of the batch state, after the
+sequences' slots) from the chunk's prelude to its coda, with its own position and loop step and its
+sequence's block table (BatchState.owner). So the launch gathers its batch as a decode launch does,
+and on the paged attention path (the CUDA default) replays a CUDA graph per padded item count.
+
+Item order: the decode items, then the last position of each chunk that ends its prompt (its row
+gives the first token), then the other chunk positions, then padding. The rows that need the head
+(and, in a core step, an exit score) are then among the first `padded(max_batch_size)`: every
+sequence holds a slot, so decode items plus final chunks never exceed max_batch_size; the head runs
+on those rows only (BatchState.head_rows). A chunk of a request that asks for prompt log-probs needs
+every position's logits: such a launch runs eagerly with the head on an explicit row list.
+
+On the SDPA path (the CPU, attention_backend="sdpa") a launch with chunks runs eagerly: decode items
+attend through the padded gather, each chunk through one causal SDPA over its own context rows
+(`Segment`), so a long prompt stays linear in memory.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
+from .batch_state import Riders
 from .block_manager import kv_rows
 from .scheduler import Work
-from .sequence import Stage
-from .stages import Segment, TokenBatch
+from .sequence import Sequence, Stage
+from .stages import Segment
 
 
-class Chunks:
-    """The prompt chunks of a mixed launch, the rows after its N decode items. A stage body reads
-    `state` / `inj` (their loop state, core and coda), `head` (the rows through the head: coda,
-    fused) and hands back their new loop state with `keep` (prelude, core)."""
-
-    def __init__(self, work: Work, block_size: int, to_device: Callable, states: dict, device: torch.device):
-        self.work, self.block_size, self.to_device, self.device = work, block_size, to_device, device
-        self.states = states  # seq_id -> (loop state, injection) of its chunk's positions (the runner's)
-        self.state = self.inj = self.head = None
-        self.segments: list[Segment] = []
-        if work.stage in (Stage.CORE, Stage.CODA):
-            kept = [states[s.seq_id] for s in work.chunks]
-            self.state = torch.cat([st for st, _ in kept])
-            self.inj = torch.cat([i for _, i in kept]) if kept[0][1] is not None else None
-
-    def extend(self, dec: TokenBatch | None, N: int) -> TokenBatch:
-        """The mixed TokenBatch: the N padded decode items of `dec` (None: none), then one segment per
-        chunk. Sets `head` for a stage that emits."""
-        work, B, t = self.work, self.block_size, self.to_device
-        parts = [[dec.ids], [dec.positions], [dec.rows], [dec.steps]] if dec is not None else [[], [], [], []]
-        long = dict(dtype=torch.long, device=self.device)
-        start = N
-        for s in work.chunks:
-            a, e = s.chunk
-            blocks = s.blocks
-            rows = t(kv_rows(blocks, B, e))  # KV rows of positions 0..e-1
-            step = s.step + 1 if work.stage is Stage.CORE else 1
-            for part, x in zip(parts, (t(s.prompt_ids[a:e]), torch.arange(a, e, **long), rows[a:e],
-                                       torch.full((e - a,), step, **long))):
-                part.append(x)
-            self.segments.append(Segment(start, e - a, a, rows))
-            start += e - a
-        ids, pos, rows, steps = (torch.cat(p) for p in parts)
-        batch = TokenBatch(ids=ids, positions=pos, rows=rows, steps=steps, ctx_rows=dec.ctx_rows if dec else None,
-                           ctx_len=dec.ctx_len if dec else None, segments=self.segments, num_decode=N)
-        if work.stage.emits:
-            self.head = t(head_rows(work, self.segments))  # (the upload path: no pageable copy on CUDA)
-        return batch
-
-    def keep(self, state: torch.Tensor, inj: torch.Tensor | None) -> None:
-        """Keep each chunk's rows of the loop state a body computed, for its next launch."""
-        for s, g in zip(self.work.chunks, self.segments):
-            sl = slice(g.start, g.start + g.length)
-            self.states[s.seq_id] = (state[sl], inj[sl] if inj is not None else None)
+@dataclass
+class Layout:
+    """Where a launch's chunk positions sit: `riders` (what the upload sends), each chunk's item rows in
+    position order (`rows`, by seq_id), and the explicit head rows when a chunk wants prompt log-probs."""
+    riders: Riders
+    rows: dict[int, list[int]]
+    head: list[int] | None
 
 
-def head_rows(work: Work, segments: list[Segment]) -> list[int]:
-    """Rows that go through the head: the real decode items, the last position of each chunk that
-    ends its prompt (its first token), then every position of chunks whose request asked for prompt
-    log-probs (`prompt_logits` reads them back in this order)."""
-    idx = list(range(len(work.seqs)))
-    finals = {id(s) for s in work.finals}
-    for s, g in zip(work.chunks, segments):
-        if id(s) in finals:
-            idx.append(g.start + g.length - 1)
-    for s, g in zip(work.chunks, segments):
-        if s.params.prompt_logprobs is not None:
-            idx += range(g.start, g.start + g.length)
-    return idx
+class TokenSlots:
+    """The runner's token slots: a chunk takes one per position at its prelude (or fused) launch and
+    gives them back after its coda (or that launch), or when its prompt is aborted."""
+
+    def __init__(self, first: int, count: int):
+        self.free = list(range(first + count - 1, first - 1, -1))  # (pop() takes the lowest first)
+        self.held: dict[int, list[int]] = {}  # seq_id -> its chunk's token slots, in position order
+
+    def take(self, s: Sequence) -> list[int]:
+        n = s.chunk[1] - s.chunk[0]
+        if n > len(self.free):
+            raise RuntimeError(f"{s.request_id}: a chunk of {n} prompt tokens, {len(self.free)} token slots free: "
+                               "more prompt tokens in flight than EngineConfig.max_launch_tokens() allows")
+        got = self.held[s.seq_id] = [self.free.pop() for _ in range(n)]
+        return got
+
+    def give_back(self, seq_id: int) -> None:
+        self.free += reversed(self.held.pop(seq_id, ()))
+
+
+def layout(work: Work, slots: TokenSlots, n_decode: int, tokens: bool) -> Layout:
+    """The items of `work`'s chunks after its `n_decode` decode items (module docstring): token slots
+    taken at the chunk's first launch (prelude, fused), with the metadata the upload writes then."""
+    fresh = work.stage in (Stage.PRELUDE, Stage.FUSED)
+    finals = {s.seq_id for s in work.finals}
+    mine = {s.seq_id: slots.take(s) if fresh else slots.held[s.seq_id] for s in work.chunks}
+    order = [(s, len(mine[s.seq_id]) - 1) for s in work.finals]  # each final chunk's last position first
+    order += [(s, i) for s in work.chunks for i in range(len(mine[s.seq_id]) - int(s.seq_id in finals))]
+    r = Riders(slots=[mine[s.seq_id][i] for s, i in order], owners=list(work.chunks))
+    rows: dict[int, list[int]] = {s.seq_id: [0] * len(mine[s.seq_id]) for s in work.chunks}
+    for k, (s, i) in enumerate(order):
+        rows[s.seq_id][i] = n_decode + k
+    if tokens:
+        r.ids = [s.prompt_ids[s.chunk[0] + i] for s, i in order]
+    if fresh:  # the position before each one's own (the launch moves every item one position on), step 0
+        r.fresh = [(mine[s.seq_id][i], s.chunk[0] + i - 1, s.slot) for s, i in order]
+    head = None
+    if work.stage.emits and any(s.params.prompt_logprobs is not None for s in work.chunks):
+        # the sampled rows, then every position of each chunk that asks for prompt log-probs (prompt_logits)
+        head = list(range(n_decode + len(work.finals)))
+        head += [j for s in work.chunks if s.params.prompt_logprobs is not None for j in rows[s.seq_id]]
+    return Layout(r, rows, head)
+
+
+def segments(work: Work, lay: Layout, block_size: int, to_device) -> list[Segment]:
+    """The SDPA path's attention groups: one per chunk, its item rows and its context rows."""
+    out = []
+    for s in work.chunks:
+        a, e = s.chunk
+        out.append(Segment(to_device(lay.rows[s.seq_id]), a, to_device(kv_rows(s.blocks, block_size, e))))
+    return out
 
 
 def prompt_logits(work: Work, logits: torch.Tensor, n: int, partial: dict[int, torch.Tensor]
                   ) -> dict[int, torch.Tensor] | None:
     """The prompt logits [L, V] of each prompt this launch completes that asked for them (by seq_id).
-    The rows after the first `n` (sampled) rows of `logits` are the chunks' positions (`head_rows`);
+    The rows after the first `n` (sampled) rows of `logits` are the chunks' positions (`layout`'s head);
     a chunk that does not end its prompt leaves its part in `partial` for the prompt's next chunk."""
     finals = {id(s) for s in work.finals}
     done: dict[int, torch.Tensor] = {}
@@ -98,4 +111,3 @@ def prompt_logits(work: Work, logits: torch.Tensor, n: int, partial: dict[int, t
         else:
             partial[s.seq_id] = whole
     return done or None
-

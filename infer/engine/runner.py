@@ -9,8 +9,9 @@ Decode stages (prelude, core, coda, CB's fused iteration) share one metadata for
 state of `BatchState` (batch_state.py: positions, loop steps, block tables, the one upload per
 stage), so on CUDA each can replay a CUDA graph captured per (stage, padded batch, context
 bucket) from static input buffers (graphs.py). The CPU path runs the same `body` eagerly. A launch
-with prompt chunks riding along runs the same stage body over the decode items' batch extended
-with the chunks (mixed.py), eagerly: a decode-only launch is its zero-chunk case. A core step returns its
+with prompt chunks riding along is the same: each chunk position is an item in a token slot of its
+own (mixed.py), so on the paged attention path it replays a graph too; on the SDPA path it runs the
+same body eagerly, each chunk attending as one causal segment. A core step returns its
 exit scores as a pending host copy, which lets the engine prepare the next batch while the
 device still runs this one (the lookahead pipeline).
 
@@ -111,16 +112,19 @@ class PendingScores:
 class ModelRunner:
     def __init__(self, model: LoopedLM, kv_layout: str, blocks: BlockManager, criterion: str,
                  pad_pow2: bool = True, max_batch_size: int = 64, cuda_graphs: bool = False,
-                 attention_backend: str = "sdpa"):
+                 attention_backend: str = "sdpa", token_slots: int = 0):
         self.model, self.cfg, self.blocks, self.criterion = model, model.cfg, blocks, criterion
         self.device, self.dtype = model.device, model.dtype
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
         self.layout = make_layout(kv_layout, self.cfg, blocks.num_blocks * blocks.block_size, self.dtype, self.device)
         S, D = blocks.num_slots + 1, self.cfg.hidden_size  # slot S-1 is the scratch slot for padding
+        T = token_slots  # then one slot per prompt position in flight (mixed.py), rows S..S+T-1
         self.scratch_slot = S - 1
-        # the per-slot loop state (state, Huginn's injection, the criterion's memory), written by the bodies
-        self.state = torch.zeros(S, D, dtype=self.dtype, device=self.device)
-        self.inj = torch.zeros(S, D, dtype=self.dtype, device=self.device) if self.cfg.arch == "huginn" else None
+        # the per-slot loop state (state, Huginn's injection; token slots too), written by the bodies, and
+        # the criterion's memory (sequence slots only: a token slot's rows are clamped to the scratch slot)
+        self.state = torch.zeros(S + T, D, dtype=self.dtype, device=self.device)
+        self.inj = torch.zeros(S + T, D, dtype=self.dtype, device=self.device) if self.cfg.arch == "huginn" else None
+        self.token_slots = mixed.TokenSlots(S, T)
         self.rule = score_rule(criterion, self.cfg)  # the score arithmetic (lookahead head: its teacher's)
         self.preloop = criterion == "preloop"
         self.aux = initial_aux(self.rule, S, self.cfg.vocab_size, self.device)
@@ -130,18 +134,17 @@ class ModelRunner:
         self.batch_state = bs = BatchState(S, blocks.block_size, self.cfg.max_position, blocks.num_blocks,
                                            self.layout.scratch_row,
                                            partial(padded_batch, max_batch_size=max_batch_size, pad_pow2=pad_pow2),
-                                           self.device)
+                                           self.device, T)
+        bs.head_rows = self.padded(max_batch_size)
         # (no reference cycle anywhere in the runner: the graph cache holds a weak proxy of it, the stage
         # tables below are of method names and BatchState gets a plain function, so a dropped engine
         # frees its KV pool at once, not at the cyclic GC's next pass; tests/test_gpu_discipline.py)
         self.graphs = graph_cache.make_graphs(self, self.device, cuda_graphs)
-        if attention_backend == "paged":  # before any capture: the graphs the engine captures at start-up run paged
-            self.enable_paged()
         self.step = bs.step  # the loop step of each slot (the bodies write it)
         self._t = bs.to_device
-        # mixed prefill: the loop state of each prompt chunk in flight between its launches, and the
-        # prompt logits of a prompt whose earlier chunks asked for them (by seq_id; mixed.py)
-        self._chunk_state: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if attention_backend == "paged":  # before any capture: the graphs the engine captures at start-up run paged
+            self.enable_paged()
+        # mixed prefill: the prompt logits of a prompt whose earlier chunks asked for them (by seq_id; mixed.py)
         self._prompt_logits: dict[int, torch.Tensor] = {}
 
     # each stage's body and launch, by method name (bound methods kept on self would be a reference cycle)
@@ -163,18 +166,32 @@ class ModelRunner:
         return {Stage.PRELUDE: self.cfg.n_prelude > 0, Stage.CODA: self.cfg.n_coda > 0}.get(stage, True)
 
     def graph_keys(self, fused: bool, r_max: int) -> list[tuple]:
-        """Every graph key (GraphCache.run's) a decode-only launch can hit: the padded batch sizes of
-        1..max_batch_size items (slots, + their tokens for a stage that embeds them) times the context
+        """Every graph key (GraphCache.run's) a launch can hit: the padded batch sizes of 1..max_batch_size
+        items (slots, + their tokens for a stage that embeds them), and on the paged path the sizes of
+        launches with prompt chunks up to max_launch_tokens more items (mixed.py), times the context
         buckets up to the table's width (one for a stage without attention layers), for CB's fused
         iteration at `r_max` or for CDB's prelude, core step and coda."""
         bs = self.batch_state
-        sizes = sorted({self.padded(n) for n in range(1, self.max_batch_size + 1)})
+        sizes = self.launch_sizes()
         buckets = sorted({bs.ctx_blocks(nb) for nb in range(1, bs.bt.shape[1] + 1)})
         keys = []
         for st in [Stage.FUSED] if fused else [Stage.PRELUDE, Stage.CORE, Stage.CODA]:
             ctx = buckets if self.attends(st) else [1]
             keys += [(st, 2 * n if st.reads_tokens else n, nb, r_max if fused else 0) for n in sizes for nb in ctx]
         return keys
+
+    def launch_sizes(self) -> list[int]:
+        """The padded item counts of the launches with static shapes: decode launches, and on the paged
+        path (mixed launches replay graphs and run the compiled kernel too) every rung of the ladder up
+        to the most items one can carry."""
+        ladder = self.batch_state.ladder
+        most = self.max_batch_size + (len(self.token_slots.free) if ladder else 0)
+        sizes, n = set(), 1
+        while n <= most:
+            p = padded_batch(n, self.max_batch_size, self.pad_pow2, ladder)
+            sizes.add(p)
+            n = p + 1
+        return sorted(sizes)
 
     @property
     def attention_stats(self) -> dict | None:
@@ -194,12 +211,13 @@ class ModelRunner:
         (GraphCache.capture), None when there was none."""
         bs = self.batch_state
         bs.paged = True
+        bs.ladder = True  # launches with prompt chunks: few shapes, they replay graphs too (mixed.py)
         if compile if compile is not None else self.device.type == "cuda":
-            # every static shape the compiled kernel meets: a decode launch's padded batch size times the
-            # depth slots its stage reads (1: prelude, coda, a one-slot core; the layout's slots: a
-            # depth-indexed core step). Context lengths are no shape (stages.paged_mask); mixed launches
-            # and speculative stages never run paged
-            sizes = {self.padded(n) for n in range(1, self.max_batch_size + 1)}
+            # every static shape the compiled kernel meets: a launch's padded item count (launch_sizes)
+            # times the depth slots its stage reads (1: prelude, coda, a one-slot core; the layout's slots: a
+            # depth-indexed core step). Context lengths are no shape (stages.paged_mask); speculative
+            # stages never run paged
+            sizes = set(self.launch_sizes())
             bs.flex = stages.compile_paged_flex(len(sizes) * len({1, self.layout.slots}))
         bs.invalidate_all()  # re-upload every table at its next stage
         graphs = self.graphs
@@ -217,86 +235,80 @@ class ModelRunner:
         captured in a CUDA graph). Returns scores [N] (core), logits [N, V] (coda, fused)."""
         return getattr(self, self._BODIES[stage])(*self.batch_state.gather(stage, inp, nb), r_max)
 
-    # Each body runs a stage over the N decode items of `batch` (their slots: `slots`) and, in a
-    # mixed launch, the prompt chunks after them (`chunks`, mixed.Chunks: their loop state in and
-    # out, the rows through the head). A decode-only launch is the case chunks=None.
+    # Each body runs a stage over the N items of `batch` (their slots: `slots`: decode items, then prompt
+    # chunk positions in token slots, then padding; mixed.py). Exit scores and the head are for the first
+    # `batch.scored` items only, or the head for the rows `head` names (stages.head_of).
     def _prelude_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int,
-                      chunks: mixed.Chunks | None = None) -> torch.Tensor | None:
+                      head: torch.Tensor | int | None = None) -> torch.Tensor | None:
         state, inj = stages.prelude(self.model, self.layout, batch)
         N = slots.shape[0]
-        if N:
-            self.step.index_fill_(0, slots, 0)
-            self.state.index_copy_(0, slots, state[:N])
-            if self.inj is not None:
-                self.inj.index_copy_(0, slots, inj[:N])
-            if self.aux is not None:
-                self.aux.index_copy_(0, slots, initial_aux(self.rule, N, self.cfg.vocab_size, self.device))
-        if chunks is not None:
-            chunks.keep(state, inj)
-        if self.preloop:  # the decode items' exit-depth CDFs [N, r_max]: their depths, read once here
-            return preloop_cdf(self.model, state[:N], inj[:N] if inj is not None else None)
+        self.step.index_fill_(0, slots, 0)
+        self.state.index_copy_(0, slots, state)
+        if self.inj is not None:
+            self.inj.index_copy_(0, slots, inj)
+        if self.aux is not None:
+            self.aux.index_copy_(0, self._aux_slots(slots), initial_aux(self.rule, N, self.cfg.vocab_size, self.device))
+        if self.preloop:  # the scored items' exit-depth CDFs [n, r_max]: their depths, read once here
+            n = batch.scored
+            return preloop_cdf(self.model, state[:n], inj[:n] if inj is not None else None)
         return None
 
     def _core_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int,
-                   chunks: mixed.Chunks | None = None) -> torch.Tensor:
+                   head: torch.Tensor | int | None = None) -> torch.Tensor:
         state = self.state[slots]
         inj = self.inj[slots] if self.inj is not None else None
-        if chunks is not None:
-            state = torch.cat([state, chunks.state])
-            inj = torch.cat([inj, chunks.inj]) if inj is not None else None
-        aux = self.aux[slots] if self.aux is not None else None
+        scored = self._aux_slots(slots[:batch.scored])
+        aux = self.aux[scored] if self.aux is not None else None
         new, scores, aux = stages.core_step(self.model, self.layout, batch, state, inj, self.criterion, aux)
-        N = slots.shape[0]
-        if N:
-            self.state.index_copy_(0, slots, new[:N])
-            if aux is not None:
-                self.aux.index_copy_(0, slots, aux)
-            self.step.index_copy_(0, slots, batch.steps[:N])
-            self.step[self.scratch_slot:].zero_()  # padding keeps loop step 1 (its KV index stays in range)
-        if chunks is not None:
-            chunks.keep(new, inj)
+        self.state.index_copy_(0, slots, new)
+        if aux is not None:
+            self.aux.index_copy_(0, scored, aux)
+        self.step.index_copy_(0, slots, batch.steps)
+        self.step[self.scratch_slot].zero_()  # padding keeps loop step 1 (its KV index stays in range)
         return scores
 
     def _coda_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int,
-                   chunks: mixed.Chunks | None = None) -> torch.Tensor:
+                   head: torch.Tensor | int | None = None) -> torch.Tensor:
         # the layout's on-exit hook (last_exited fill) first; the loop step of each slot is its exit
-        # depth (prompt positions are at r_max)
-        N = slots.shape[0]
-        if N:
-            self.layout.on_exit(batch.rows[:N], self.step[slots])
-        if chunks is None:
-            return stages.coda(self.model, self.layout, batch, self.state[slots])
-        return stages.coda(self.model, self.layout, batch, torch.cat([self.state[slots], chunks.state]),
-                           head_index=chunks.head)
+        # depth (prompt positions are at r_max: nothing to fill)
+        self.layout.on_exit(batch.rows, self.step[slots])
+        return stages.coda(self.model, self.layout, batch, self.state[slots],
+                           head_index=batch.scored if head is None else head)
 
     def _fused_body(self, slots: torch.Tensor, batch: TokenBatch, r_max: int,
-                    chunks: mixed.Chunks | None = None) -> torch.Tensor:
+                    head: torch.Tensor | int | None = None) -> torch.Tensor:
         """CB: prelude + r_max core steps + coda, no scheduling in between (prompt positions at the
         same loop steps as the decode items)."""
-        if chunks is None:
-            return stages.fused(self.model, self.layout, batch, r_max)
-        return stages.fused(self.model, self.layout, batch, r_max, head_index=chunks.head)
+        return stages.fused(self.model, self.layout, batch, r_max, head_index=batch.scored if head is None else head)
+
+    def _aux_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The criterion memory's rows of `slots`: a token slot's is the scratch slot's (never read)."""
+        return slots.clamp(max=self.scratch_slot)
 
     # ------------------------------------------------------------------ launches
     def _launch(self, work: Work):
-        """One decode launch: the upload, then the stage's body over the decode items (a CUDA graph
-        replay when graphs are on), or, with prompt chunks riding along, the decode items' batch
-        extended with the chunks (mixed.py) and the same body, eagerly. Returns the body's output."""
+        """One launch: the upload, then the stage's body over its items (a CUDA graph replay when
+        graphs are on). Prompt chunks riding along are items in token slots (mixed.py): on the paged
+        path such a launch is like a decode launch; it runs eagerly on the SDPA path (each chunk one
+        causal segment) and where a chunk wants prompt log-probs (the head on an explicit row list).
+        Returns the body's output."""
         stage, seqs = work.stage, work.seqs
         bs = self.batch_state
-        if not work.chunks:
-            inp, nb = bs.upload(seqs, tokens=stage.reads_tokens, context=self.attends(stage))
-            nb = bs.ctx_blocks(nb)
+        lay = mixed.layout(work, self.token_slots, len(seqs), stage.reads_tokens) if work.chunks else None
+        inp, nb = bs.upload(seqs, tokens=stage.reads_tokens, context=self.attends(stage),
+                            riders=lay.riders if lay is not None else None)
+        nb = bs.ctx_blocks(nb)
+        if lay is None or (bs.paged and lay.head is None):
             if self.graphs is not None:
                 return self.graphs.run(stage, inp, nb, work.r_max)
             return self.body(stage, inp, nb, work.r_max)
-        if seqs:
-            inp, nb = bs.upload(seqs, tokens=stage.reads_tokens)
-            slots, batch = bs.gather(stage, inp, bs.ctx_blocks(nb), paged=False)  # a mixed launch gathers
-        else:
-            slots, batch = torch.zeros(0, dtype=torch.long, device=self.device), None
-        chunks = mixed.Chunks(work, self.blocks.block_size, self._t, self._chunk_state, self.device)
-        return getattr(self, self._BODIES[stage])(slots, chunks.extend(batch, slots.shape[0]), work.r_max, chunks)
+        n = len(seqs)
+        slots, batch = bs.gather(stage, inp, nb, context_items=None if bs.paged else n)
+        if not bs.paged:
+            batch.segments = mixed.segments(work, lay, self.blocks.block_size, self._t)
+            batch.num_decode = batch.scored = n
+        head = self._t(lay.head) if lay.head is not None else n + len(work.finals)
+        return getattr(self, self._BODIES[stage])(slots, batch, work.r_max, head)
 
     def run(self, work: Work) -> Emitted | PendingScores | None:
         if torch.is_inference_mode_enabled():  # the engine's loops already are (entering costs ~5 us a stage)
@@ -307,9 +319,9 @@ class ModelRunner:
     def _run(self, work: Work) -> Emitted | PendingScores | None:
         if work.changed or work.grown:  # rewritten at this or the next stage that uploads (a prefill does not)
             self.batch_state.note(work.changed, work.grown)
-        if work.released:  # prompts aborted mid-prefill: their chunks' state goes
+        if work.released:  # prompts aborted mid-prefill: their chunks' token slots and partial logits go
             for s in work.released:
-                self._chunk_state.pop(s.seq_id, None)
+                self.token_slots.give_back(s.seq_id)
                 self._prompt_logits.pop(s.seq_id, None)
         return getattr(self, self._STAGES[work.stage])(work)
 
@@ -335,10 +347,10 @@ class ModelRunner:
         n = len(work.seqs)
         if not work.chunks:
             return Emitted(logits[:n])
-        # the chunks are done with this launch: their loop state goes; prompt log-probs rows after
+        # the chunks are done with this launch: their token slots go back; prompt log-probs rows after
         # the sampled ones
         for s in work.chunks:
-            self._chunk_state.pop(s.seq_id, None)
+            self.token_slots.give_back(s.seq_id)
         n += len(work.finals)
         return Emitted(logits[:n], mixed.prompt_logits(work, logits, n, self._prompt_logits))
 

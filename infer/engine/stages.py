@@ -10,12 +10,14 @@ depths. Attention writes each token's K/V into the KV layout first, then reads:
   numbers: the gather of every item's context to the batch's longest one then SDPA (the CPU path
   and the oracle; it reads N x L_max rows and writes a copy), and `paged_attention` (`paged` set:
   FlexAttention over the block tables, reading only each item's own blocks).
-- mixed (`segments` set): the first `num_decode` items are decode items (as above), the rest are
-  prompt chunks riding in the same launch. Each `Segment` is one chunk: one SDPA with q = the
-  chunk's positions and k/v = the layout's rows of positions 0..last at the chunk's loop step,
-  causal with the chunk's offset. Because every item's K/V is written before anything is read, a
-  chunk sees its own step-s K/V, and an earlier chunk's step-s K/V is already in its depth slot
-  (depth-indexed layouts), so a chunked prompt equals the whole-prompt prefill.
+- mixed: prompt chunks ride in the same launch, each position an item of its own (mixed.py). On
+  the paged path they attend as decode items do (positions 0..pos of their sequence at their loop
+  step). On the SDPA path (`segments` set) the first `num_decode` items are decode items (the
+  gather), and each `Segment` is one chunk: one SDPA with q = the chunk's positions and k/v = the
+  layout's rows of positions 0..last at the chunk's loop step, causal with the chunk's offset. Both
+  read the same keys: every item's K/V is written before anything is read, so a chunk sees its own
+  step-s K/V, and an earlier chunk's step-s K/V is already in its depth slot (depth-indexed
+  layouts): a chunked prompt equals the whole-prompt prefill.
 """
 from __future__ import annotations
 
@@ -46,11 +48,10 @@ class PagedContext:
 
 @dataclass
 class Segment:
-    """One prompt chunk of a mixed batch: items [start, start + length) are positions
-    offset..offset+length-1 of one prompt; `ctx_rows` [offset + length] are the KV rows of its
-    positions 0..offset+length-1."""
-    start: int
-    length: int
+    """One prompt chunk of a mixed batch on the SDPA path: the items `idx` [length] are positions
+    offset..offset+length-1 of one prompt, in order; `ctx_rows` [offset + length] are the KV rows of
+    its positions 0..offset+length-1."""
+    idx: torch.Tensor
     offset: int
     ctx_rows: torch.Tensor
     _mask: torch.Tensor | None = field(default=None, repr=False)
@@ -58,9 +59,9 @@ class Segment:
     def mask(self) -> torch.Tensor:
         """[length, offset + length]: position offset+i sees positions 0..offset+i."""
         if self._mask is None:
-            d = self.ctx_rows.device
-            self._mask = (torch.arange(self.offset + self.length, device=d)[None, :] <=
-                          torch.arange(self.offset, self.offset + self.length, device=d)[:, None])
+            d, n = self.ctx_rows.device, self.idx.shape[0]
+            self._mask = (torch.arange(self.offset + n, device=d)[None, :] <=
+                          torch.arange(self.offset, self.offset + n, device=d)[:, None])
         return self._mask
 
 
@@ -74,8 +75,9 @@ class TokenBatch:
     ctx_rows: torch.Tensor | None = None  # decode: [N, L] rows of positions 0..pos (padded)
     ctx_len: torch.Tensor | None = None  # decode: [N] valid entries of ctx_rows
     paged: PagedContext | None = None  # decode: attend through the block tables (paged_attention)
-    segments: list[Segment] | None = None  # mixed: prompt chunks after the first `num_decode` items
-    num_decode: int | None = None  # mixed: decode items (padding included) before the chunks
+    segments: list[Segment] | None = None  # mixed, SDPA path: the prompt chunks' attention groups
+    num_decode: int | None = None  # mixed, SDPA path: the decode items (the first ones, gathered context)
+    scored: int | None = None  # the first items that get exit scores and the head (None: all; mixed.py)
     # memoised per batch (they depend on positions / context only, not on the loop step), so a
     # runner that reuses a batch across consecutive core steps computes them once
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
@@ -86,13 +88,16 @@ class TokenBatch:
             self._rope = model.rope(self.positions)
         return self._rope
 
-    def decode_part(self) -> TokenBatch:
-        """The decode items of a mixed batch as a batch of their own (all items otherwise)."""
-        if self.segments is None:
+    def scored_part(self) -> TokenBatch:
+        """The scored items (`scored`) as a batch of their own (all items: itself)."""
+        n = self.positions.shape[0] if self.scored is None else self.scored
+        if n == self.positions.shape[0] and self.segments is None:
             return self
-        n = self.num_decode
+        paged = None if self.paged is None else PagedContext(self.paged.block_table[:n], self.paged.page_index,
+                                                              self.paged.block_size, self.paged.q_block, self.paged.flex)
         return TokenBatch(ids=self.ids[:n], positions=self.positions[:n], rows=self.rows[:n], steps=self.steps[:n],
-                          ctx_rows=self.ctx_rows, ctx_len=self.ctx_len)
+                          ctx_rows=None if self.ctx_rows is None else self.ctx_rows[:n],
+                          ctx_len=None if self.ctx_len is None else self.ctx_len[:n], paged=paged)
 
     def mask(self) -> torch.Tensor:
         """prefill: [N, N] block-causal over the packed prompts; decode: [N, L] valid context."""
@@ -154,22 +159,23 @@ class KVAttention:
     def _mixed(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, stage: str, steps: torch.Tensor,
                gqa: bool) -> torch.Tensor:
         """Decode items through the padded gather, each prompt chunk through one causal SDPA over its
-        context rows (no [N, L_max] gather for prompt positions: long prompts stay linear in memory)."""
+        context rows (no [N, L_max] gather for prompt positions: long prompts stay linear in memory).
+        Padding items attend nothing (zeros: their rows are never read)."""
         lay, b, n = self.layout, self.batch, self.batch.num_decode
-        out = []
+        out = torch.zeros_like(q)
         if n:
             cidx = lay.index(stage, steps[:n, None], b.ctx_rows)
             K, V = kc[cidx].transpose(1, 2), vc[cidx].transpose(1, 2)
             y = F.scaled_dot_product_attention(q[:n, :, None, :], K.to(q.dtype), V.to(q.dtype),
                                                attn_mask=self.mask[:, None, None, :], enable_gqa=gqa)
-            out.append(y[:, :, 0, :])
+            out[:n] = y[:, :, 0, :]
         for g in b.segments:
-            cidx = lay.index(stage, steps[g.start], g.ctx_rows)  # every position of a chunk is at one step
+            cidx = lay.index(stage, steps[g.idx[:1]], g.ctx_rows)  # every position of a chunk is at one step
             K, V = kc[cidx].transpose(0, 1)[None], vc[cidx].transpose(0, 1)[None]  # [1, KV, L, D]
-            qs = q[g.start:g.start + g.length].transpose(0, 1)[None]  # [1, H, n, D]
+            qs = q[g.idx].transpose(0, 1)[None]  # [1, H, n, D]
             y = F.scaled_dot_product_attention(qs, K.to(q.dtype), V.to(q.dtype), attn_mask=g.mask(), enable_gqa=gqa)
-            out.append(y[0].transpose(0, 1))
-        return torch.cat(out) if len(out) > 1 else out[0]
+            out.index_copy_(0, g.idx, y[0].transpose(0, 1))
+        return out
 
 
 def prefill(model: LoopedLM, layout: KVLayout, batch: TokenBatch, last_index: torch.Tensor,
@@ -193,11 +199,12 @@ def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch
     rope = batch.rope(model)
     att = KVAttention(layout, batch)
     new = model.core_step(state, inj, rope, att)
-    # mixed batch: only the decode items (the first num_decode) are scored; prompt chunks never exit
-    n = new.shape[0] if batch.segments is None else batch.num_decode
+    # only the first `scored` items get a score (mixed.py: the decode items are among them); prompt
+    # positions never exit
+    n = new.shape[0] if batch.scored is None else batch.scored
     if n == 0:
         return new, new.new_zeros(0), aux
-    dec = batch.decode_part()
+    dec = batch.scored_part()
     gate = gate_for(model, criterion, new[:n])
     logits = (model.head(model.coda(new[:n], dec.rope(model), KVAttention(layout, dec)))
               if criterion in OUTPUT_CRITERIA else None)
@@ -205,17 +212,24 @@ def core_step(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch
     return new, scores, aux
 
 
+def head_of(model: LoopedLM, hidden: torch.Tensor, head_index: torch.Tensor | int | None) -> torch.Tensor:
+    """The logits of the rows that need them: all (None), the first `head_index` (an int: a mixed batch
+    runs the coda for every prompt position, whose coda KV is needed later, and the head on few), or
+    the rows in `head_index`."""
+    if head_index is None:
+        return model.head(hidden)
+    return model.head(hidden[:head_index] if isinstance(head_index, int) else hidden[head_index])
+
+
 def coda(model: LoopedLM, layout: KVLayout, batch: TokenBatch, state: torch.Tensor,
-         head_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Exited tokens -> logits [N, V] (of the items in `head_index` when given: a mixed batch runs
-    the coda for every prompt position, whose coda KV is needed later, and the head on few)."""
+         head_index: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Exited tokens -> logits [N, V] (of the rows `head_index` names: head_of)."""
     rope = batch.rope(model)
-    hidden = model.coda(state, rope, KVAttention(layout, batch))
-    return model.head(hidden if head_index is None else hidden[head_index])
+    return head_of(model, model.coda(state, rope, KVAttention(layout, batch)), head_index)
 
 
 def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int,
-          head_index: torch.Tensor | None = None) -> torch.Tensor:
+          head_index: torch.Tensor | int | None = None) -> torch.Tensor:
     """CB's iteration: decode tokens (and, in a mixed batch, prompt chunks at the same loop steps)
     through prelude, `r_max` core steps and coda -> logits [N, V] (`head_index`: see `coda`)."""
     rope = batch.rope(model)
@@ -225,8 +239,7 @@ def fused(model: LoopedLM, layout: KVLayout, batch: TokenBatch, r_max: int,
         att.step = s
         state = model.core_step(state, inj, rope, att)
     att.step = None
-    hidden = model.coda(state, rope, att)
-    return model.head(hidden if head_index is None else hidden[head_index])
+    return head_of(model, model.coda(state, rope, att), head_index)
 
 
 # The query block of the paged mask, from what inductor's two FlexAttention lowerings accept (torch 2.13,
