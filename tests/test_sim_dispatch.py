@@ -123,8 +123,17 @@ def _engine(cost, requests, graphs=True, **kw):
 
 
 def test_an_eager_chunk_core_step_is_charged_more_than_a_graphed_one():
+    """On the SDPA path a launch with prompt chunks runs eagerly (mixed.py): charged its counted ops,
+    a decode-only one a replay; on the paged path both replay graphs."""
     reqs = [Request(list(range(3, 3 + p)), o, p, o) for p, o in ((60, 6), (20, 8), (45, 5), (10, 9))]
-    eng = _engine(RooflineCost(CFG, kv_layout=LAYOUT, attention="paged", dispatch=D.Dispatch()), reqs)
+    paged = _engine(RooflineCost(CFG, kv_layout=LAYOUT, attention="paged", dispatch=D.Dispatch()), reqs)
+    for i, r in enumerate(reqs):
+        paged.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
+    while paged.has_unfinished():
+        paged.step()
+    d = paged.runner.dispatch_stats()
+    assert d["eager_launches"] == 0 and d["graphed_launches"] > 0 and d["eager_ops"] == 0
+    eng = _engine(RooflineCost(CFG, kv_layout=LAYOUT, attention="sdpa", dispatch=D.Dispatch()), reqs)
     charged = []
 
     def launch(work, dt):
@@ -150,7 +159,7 @@ def test_an_eager_chunk_core_step_is_charged_more_than_a_graphed_one():
         1 for st, ch, _, _ in charged if st is not Stage.CORE and not ch)
     assert d["eager_ops"] > 0 and d["dispatch_s"] == pytest.approx(sum(c for _, _, c, _ in charged))
     # without graphs every launch is eager: a decode-only core step costs its counted ops
-    eng2 = _engine(RooflineCost(CFG, kv_layout=LAYOUT, attention="paged", dispatch=D.Dispatch()), reqs, graphs=False)
+    eng2 = _engine(RooflineCost(CFG, kv_layout=LAYOUT, attention="sdpa", dispatch=D.Dispatch()), reqs, graphs=False)
     for i, r in enumerate(reqs):
         eng2.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), request_id=str(i))
     while eng2.has_unfinished():
@@ -169,7 +178,7 @@ def _mode(cost, reqs, name="cdb_refill_k1", **mode):
 @pytest.mark.parametrize("mode", [{}, {"policy": "cb"}])
 def test_zero_costs_reproduce_the_clock_without_the_charge(mode):
     reqs = make_requests("alpaca", 12, seed=0, max_model_len=512, vocab_size=CFG.vocab_size)
-    cost = partial(RooflineCost, CFG, kv_layout=LAYOUT, attention="paged")
+    cost = partial(RooflineCost, CFG, kv_layout=LAYOUT, attention="sdpa")  # (chunk launches eager: ops counted)
     off, zero, on = (_mode(cost(dispatch=d), reqs, **mode) for d in (None, D.Dispatch(0, 0), D.Dispatch()))
     assert off["dispatch"] is None
     assert zero["seconds"] == off["seconds"]
@@ -190,9 +199,11 @@ def test_cli_json_reports_dispatch_per_mode(tmp_path, capsys):
     assert doc["dispatch"] == {"op_us": D.OP_US, "replay_us": D.REPLAY_US, "source": "defaults"}
     results = doc["workloads"][0]["results"]
     assert {r["mode"] for r in results} >= {"cb", "cdb_refill_k1", "cdb_refill_kauto"}
-    for r in results:
-        assert r["dispatch_s"] > 0 and r["eager_ops"] > 0, r["mode"]
-        assert r["dispatch"]["eager_launches"] >= 1
+    for r in results:  # (paged, the default: every launch replays a graph, prompt chunks or not; separate
+        # prefill launches run eagerly)
+        eager = r["mode"].endswith("_separate")
+        assert r["dispatch_s"] > 0 and (r["eager_ops"] > 0) == eager, r["mode"]
+        assert (r["dispatch"]["eager_launches"] > 0) == eager and r["dispatch"]["graphed_launches"] >= 1
 
 
 def test_dispatch_json_and_flags(tmp_path, capsys):
@@ -240,7 +251,8 @@ def test_emulated_device_replays_graphs_unless_told_not_to():
         assert eng.config.cuda_graphs is False  # (the engine itself runs the CPU path)
         return eng.runner.describe()["dispatched"]
     on, off = stats(), stats(cuda_graphs=False)
-    assert on["cuda_graphs"] and on["graphed_launches"] > 0 and on["eager_launches"] > 0
+    # (the H100 it stands for runs paged attention: launches with prompt chunks replay graphs too)
+    assert on["cuda_graphs"] and on["graphed_launches"] > 0 and on["eager_launches"] == 0
     assert not off["cuda_graphs"] and off["graphed_launches"] == 0
     assert off["eager_launches"] == on["eager_launches"] + on["graphed_launches"]
     assert stats(cuda_graphs=True)["graphed_launches"] == on["graphed_launches"]  # (not refused on the CPU engine)

@@ -40,6 +40,9 @@ class Call:
     prompt_rows: int = 0
     prompt_pairs: int = 0
     finals: int = 0
+    # a mixed launch pads its items together (mixed.py; on the paged path on the ladder of padded_batch):
+    # rows it runs beyond padded + prompt_tokens (negative: the decode items are not padded on their own)
+    extra_rows: int = 0
 
     def without_prompts(self) -> Call:
         return Call(self.stage, self.batch, self.padded, self.tokens, self.context, self.context_sq, self.r_max,
@@ -153,14 +156,15 @@ class RooflineCost:
         cfg, db = self.cfg, self.dtype_bytes
         layers = {Stage.PRELUDE: cfg.n_prelude, Stage.CORE: cfg.n_core, Stage.CODA: cfg.n_coda}[stage]
         kv = B.kv_bytes_per_token(cfg, layers, db)
-        items = c.padded + c.prompt_tokens
+        rows_run = c.padded + c.extra_rows  # (decode items and padding)
+        items = rows_run + c.prompt_tokens
         rows = {"context": c.context, "paged": c.rows_paged or c.context, "sdpa": 3 * c.rows_sdpa or c.context}
         nbytes = self.params[stage.value] * db + (rows[self.attention] + c.prompt_rows) * kv + items * kv
         if stage is Stage.PRELUDE:
             nbytes += items * cfg.hidden_size * db  # embedding rows
         per_tok = B.stage_flops(cfg, 0)[stage.value]
         head = 2 * cfg.hidden_size * cfg.vocab_size if stage is Stage.CODA else 0
-        flops = (c.padded * per_tok + c.prompt_tokens * (per_tok - head) + c.finals * head +
+        flops = (rows_run * per_tok + c.prompt_tokens * (per_tok - head) + c.finals * head +
                  4 * cfg.num_heads * cfg.head_dim * (c.context + c.prompt_pairs) * layers)
         return self._roof(nbytes, flops)
 

@@ -5,11 +5,13 @@ microseconds of host time on a GPU host; a launch that replays a CUDA graph cost
 committed host table (`HostCost`, docs/figures/bench_host.json) is measured with the model's math
 removed (infer/bench/host.py's NoopRunner), so it charges none of this: `Dispatch` does.
 
-Which launches are eager (infer/engine/runner.py, as on CUDA): a launch that carries prompt chunks
-(`work.chunks`: mixed.py), a separate prefill launch (Stage.PREFILL) and every launch of a
-speculative stage (Stage.SPEC: speculative.py); a decode-only prelude / core step / coda / CB fused
-iteration replays a CUDA graph when graphs are on (the CUDA default), else it runs its body
-eagerly too.
+Which launches are eager (infer/engine/runner.py, as on CUDA): a separate prefill launch
+(Stage.PREFILL), every launch of a speculative stage (Stage.SPEC: speculative.py), and a launch that
+carries prompt chunks (`work.chunks`: mixed.py) on the SDPA attention path or for a request that asks
+for prompt log-probs; a prelude / core step / coda / CB fused iteration replays a CUDA graph when
+graphs are on (the CUDA default; on the paged path, the CUDA default too, also with prompt chunks),
+else it runs its body eagerly too. `graphed_dispatches` counts what a graphed launch still
+dispatches (`--graphed`).
 
 The op counts come from the engine itself (`count_ops`): a real `LLMEngine` with its `ModelRunner`
 runs a small fixed set of requests on the CPU, at the model's structure (architecture, prelude /
@@ -321,6 +323,48 @@ def count_ops(cfg, kind: str, kv_layout: str, criterion: str = "none", attention
             setattr(mod, name, orig)
 
 
+def graphed_dispatches(cfg, kind: str, kv_layout: str, criterion: str = "none") -> dict[str, int]:
+    """Host dispatches per launch with CUDA graphs on the paged path (the CUDA default): every aten op
+    the host issues for a launch (the metadata upload, the graph's input copy) plus one per replay, the
+    most any launch of each kind needed in the counting engine's run (`kind`: "cdb" or "cb"; keys
+    `<stage>` decode-only, `<stage>_chunks` carrying prompt chunks). Graphs are the CPU stand-in
+    (infer/engine/graphs.py), captured on first use; its replay counts as the one a CUDA graph is."""
+    import weakref
+
+    from infer.engine.graphs import GraphStandIn
+    settings = {"kv_layout": kv_layout, "attention_backend": "paged"}
+    if kind == "cdb":
+        settings.update(policy="cdb", refill=True, min_coda_batch=1)
+        settings.update(full_depth=True) if criterion == "none" else settings.update(exit_criterion=criterion,
+                                                                                     exit_threshold=0.5)
+    else:
+        settings.update(policy="cb")
+    counter = OpCounter()
+    most: dict[str, int] = {}
+    with torch.inference_mode():
+        eng = _engine(cfg, settings)
+        r = eng.runner
+        r.graphs = graphs = GraphStandIn(weakref.proxy(r))
+        r.batch_state.bucketed = True
+        replay = paused(counter, graphs.run)
+
+        def run(*a, **k):
+            counter.n += 2  # its input copy and the replay (GraphCache.run; the stand-in's own ops are paused)
+            return replay(*a, **k)
+        graphs.run = run
+
+        def inst(work, dt):
+            if dt is None:
+                counter.n, counter.active = 0, True
+            elif work.stage in DECODE_STAGES:
+                key = work.stage.value + ("_chunks" if work.chunks else "")
+                most[key] = max(most.get(key, 0), counter.n)
+        eng.on_launch.append(inst)
+        with counter:
+            _run(eng)
+    return most
+
+
 # ---------------------------------------------------------------------------------- pricing
 @dataclass
 class Dispatch:
@@ -424,12 +468,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-layout", default=None, help=f"default: the model's, else {DEFAULT_LAYOUT}")
     p.add_argument("--attention", default="sdpa", choices=("paged", "sdpa"), help="eager decode launches' attention")
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
+    p.add_argument("--graphed", action="store_true",
+                   help="host dispatches per launch with CUDA graphs on the paged path (graphed_dispatches) instead")
     a = p.parse_args(argv)
     cfg = (paper_config(a.model) if a.model in PAPER_MODELS else preset_config(a.model) if a.model in PRESETS
            else read_config(Path(a.model)))
     layout = a.kv_layout or cfg.kv_layout or DEFAULT_LAYOUT
     crit = real_criterion(cfg, "learned")
     out = {"model": a.model, "structure": cfg.name, "kv_layout": layout, "criterion": crit}
+    if a.graphed:
+        out["graphed"] = {"cdb": graphed_dispatches(cfg, "cdb", layout, crit), "cb": graphed_dispatches(cfg, "cb", layout)}
+        print(json.dumps(out, indent=1))
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=1))
+        return
     for kind in ("cdb", "cb", "prefill"):
         out[kind] = count_ops(cfg, kind, layout, crit, a.attention).describe()
     out["cdb_full_depth"] = count_ops(cfg, "cdb", layout, "none", a.attention).describe()

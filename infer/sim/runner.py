@@ -99,9 +99,10 @@ class SimRunner:
 
     Dispatch (issue 62; a cost model with a `dispatch` block, dispatch.py: the simulator's and the
     emulated device's roofline): issuing a launch costs the host its eager aten ops x `op_us` (a
-    launch carrying prompt chunks, a prefill launch, each launch of a speculative stage, and with
-    `graphs` off every launch) or one graph replay, `replay_us` (a decode-only launch, `graphs` on:
-    the CUDA default). The ops are counted from the engine (dispatch.LaunchOps). Dispatch is host
+    prefill launch, each launch of a speculative stage, a launch carrying prompt chunks on the SDPA
+    path or for prompt log-probs, and with `graphs` off every launch) or one graph replay,
+    `replay_us` (every other launch, `graphs` on: the CUDA default; on the paged path launches with
+    prompt chunks too, mixed.py). The ops are counted from the engine (dispatch.LaunchOps). Dispatch is host
     work the device cannot run ahead of, and it comes after the host's work before the launch
     (`pre`: scheduling, upload). The device does not wait for the whole of it: kernels run as they
     are issued, so the launch starts on the device when the host starts issuing it (or when the
@@ -146,6 +147,8 @@ class SimRunner:
         # dispatch (class docstring): the costs (None: not charged), the op counts, what was charged
         self.dispatch = getattr(cost, "dispatch", None)
         self.graphed = graphs  # (not `graphs`: LLMEngine reads that as a GraphCache)
+        # where attention is paged (mixed.py) launches with prompt chunks are padded on the ladder and replay graphs
+        self.ladder = getattr(cost, "attention", "paged") != "sdpa"
         self.ops = (LaunchOps(model.cfg, kv_layout, getattr(cost, "attention", "sdpa"))
                     if self.dispatch is not None else None)
         self.op_criterion = real_criterion(model.cfg, criterion)  # what a real engine's launches run
@@ -246,14 +249,19 @@ class SimRunner:
             L = context_blocks(-(-max(ctx) // bs), width, True) * bs if ctx else 0
             N = self.padded(n) if n else 0
             spans = [s.chunk for s in work.chunks]
-            c = Call(work.stage, n, N, n, sum(ctx), r_max=work.r_max, filled=filled, rows_sdpa=N * L,
+            k = sum(e - a for a, e in spans)
+            # a mixed launch pads its items together (mixed.py: on the paged path on the ladder); on the SDPA
+            # path only its decode items gather their context (the chunks attend as segments)
+            extra = padded_batch(n + k, self.max_batch_size, self.pad_pow2, self.ladder) - k - N if k else 0
+            c = Call(work.stage, n, N, n, sum(ctx), r_max=work.r_max, filled=filled, rows_sdpa=(n if k else N) * L,
                      rows_paged=sum(-(-x // bs) * bs for x in ctx), prompt_tokens=sum(e - a for a, e in spans),
                      prompt_rows=sum(e for _, e in spans),
                      prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
-                     finals=len(work.finals))
+                     finals=len(work.finals), extra_rows=extra)
         t = self.cost(c)
         prefill = work.stage is Stage.PREFILL
-        eager = prefill or bool(work.chunks) or not self.graphed  # (what runs eagerly on CUDA: class docstring)
+        eager = prefill or not self.graphed or bool(work.chunks) and (  # (what runs eagerly on CUDA: class docstring)
+            not self.ladder or any(s.params.prompt_logprobs is not None for s in work.chunks))
         end = self._charge(*self._split(work.stage, c.padded, t),
                            self._dispatch(eager, work.stage, n, len(work.chunks)))
         t = self.last_seconds = t + self._stall  # (what the launch's CUDA events would show)
