@@ -366,3 +366,21 @@ def test_reference_bench_engine_side_on_ouro_demo():
     assert cdb["mean_exit_depth"] < 4.0 and set(cdb["stage_calls"]) == {"prelude", "core", "coda"}
     with pytest.raises(SystemExit, match="unknown mode 'xx'"):
         ref.main(["--ref-python", "python", "--ref-code", ".", "--runs", "xx:4"])
+
+
+def test_a_cpu_engine_keeps_freed_memory_once_per_process():
+    """infer/engine/cpu_malloc.py: a CPU engine fixes glibc's mmap and trim thresholds once (a process
+    that names an allocator or the thresholds itself is left alone), in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    code = ("from infer.engine import cpu_malloc as m; from infer import LLMEngine; from looplm import tiny_model; "
+            "LLMEngine(tiny_model('ouro-tiny')); print(m._done)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                                            "LD_PRELOAD")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[True]"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "MALLOC_MMAP_THRESHOLD_": "131072"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[False]"

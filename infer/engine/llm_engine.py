@@ -20,6 +20,7 @@ from looplm.policy import ExitTracker
 
 from .auto_coda import AutoCoda, LaunchTimer
 from .block_manager import BlockManager
+from .cpu_malloc import keep_freed_memory
 from .config import EngineConfig
 from .memory import kv_bytes_per_token, size_pool, state_slot_bytes
 from .batch_state import to_device
@@ -86,6 +87,8 @@ class LLMEngine:
         cost-model runner so that the real scheduler and engine run without the model."""
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
+        if model.device.type == "cpu" and runner_cls is None:  # (a real CPU engine: launches allocate and free MBs)
+            keep_freed_memory()
         # every setting decided once: resolve() fills the checkpoint's and the device's defaults,
         # size_pool() the pool-dependent ones; everything below reads this config
         self.config = c = size_pool(model, (config or EngineConfig()).resolve(cfg, model.device))
