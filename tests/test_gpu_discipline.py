@@ -348,12 +348,12 @@ MIXED_REPLAY = [("ouro-tiny", "cb", "last_exited", False), ("huginn-tiny", "nore
 def test_launches_with_prompt_chunks_replay_graphs_and_equal_reference(arch, mode, layout, lookahead):
     """On the paged path every launch replays a graph, those carrying prompt chunks too: each chunk
     position an item in a token slot, the launch padded on the graph ladder past max_batch_size.
-    With a budget of 8 tokens, prompts up to 20 tokens ride in chunks beside decode items; the
+    With a budget of 8 tokens, prompts up to 18 tokens ride in chunks beside decode items; the
     tokens, exit depths and log-probs equal the reference decoder's, no launch ran its body eagerly,
     and keys past the decode sizes were replayed. The stand-in (graph_replay.py) checks that nothing
     the bodies decide on the host, and no output read after the next replay, changes the result."""
     seed = stable_seed("mixed-replay", arch, mode, layout, lookahead)
-    shape = dict(n=6, prompt_len=(1, 20), max_new=(1, 8))
+    shape = dict(n=5, prompt_len=(1, 18), max_new=(1, 6))
     full = mode == "cb" or layout == "full_depth"
     refs = reference(arch, layout, lookahead, full, seed % 4, **shape)
     eng = LLMEngine(fresh_model(arch).requires_grad_(False),

@@ -313,7 +313,8 @@ def test_the_reserve_counts_the_graphs_static_outputs(arch, policy, attention):
     keeps, one per emitting key (CB's fused, CDB's coda; on the paged path the keys of launches with
     prompt chunks too), with a pool that holds the whole context."""
     from infer.engine.memory import graph_output_bytes
-    m = fresh_model(arch).requires_grad_(False)  # (the stand-in's trace of FlexAttention needs frozen weights)
+    # (a 48-token context: few context buckets; the stand-in's trace of FlexAttention needs frozen weights)
+    m = fresh_model(arch, max_position=48).requires_grad_(False)
     with use_stand_in():
         eng = LLMEngine(m, EngineConfig(policy=policy, max_batch_size=4, kv_cache_tokens=m.cfg.max_position,
                                         max_prefill_tokens=8, block_size=8, attention_backend=attention))
