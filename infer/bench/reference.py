@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("hf_ouro_worker.py")
-ALPACA = ROOT.parent / "shared" / "data" / "workloads" / "alpaca_prompts.jsonl"
+ALPACA = ROOT / "infer" / "sim" / "data" / "alpaca_text.jsonl"  # (200 real Alpaca instructions, in the repository)
 # (label, runner, engine settings); the reference runs at the batch of each engine mode it is paired with
 MODES = {"cb": dict(policy="cb"), "cdb": dict(policy="cdb")}
 
