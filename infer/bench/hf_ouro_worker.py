@@ -1,12 +1,13 @@
 """One timed run of Ouro's public HF reference code (not ours): static batches, greedy, at full depth.
 
 A plain script, run by infer/bench/reference.py under the Python of a scratch venv that has the
-reference's pins (transformers 4.57.6) and the reference modules as the package `ouro_ref`
-(LoopedLMs/ouro_rl `ouro_rl/modeling/{modeling,configuration}_ouro.py`; tests/fixtures/parity/README.md
-says how to make that venv). It imports nothing of this repository, so the reference runs as its
-users run it: `OuroForCausalLM.from_pretrained` and `generate` on left-padded batches.
+reference's pins (transformers 4.57.6), with the folder holding the reference modules as the package
+`ouro_ref` on PYTHONPATH (LoopedLMs/ouro_rl `ouro_rl/modeling/{modeling,configuration}_ouro.py`;
+tests/fixtures/parity/README.md says how to make that venv and folder). It imports nothing of this
+repository, so the reference runs as its users run it: `OuroForCausalLM.from_pretrained` and
+`generate` on left-padded batches.
 
-    $REF_PY infer/bench/hf_ouro_worker.py --model DIR --ref-code DIR --job job.json --out out.json
+    PYTHONPATH=$REF $REF_PY infer/bench/hf_ouro_worker.py --model DIR --job job.json --out out.json
 
 job.json: {"prompts": [[ids], ...], "batch": B, "new_tokens": N, "threads": 1}. Writes the new
 token ids per prompt (input order) and the seconds of the timed pass (every batch, after one
@@ -16,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--ref-code", required=True, help="the folder holding the package ouro_ref")
     ap.add_argument("--job", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    sys.path.insert(0, a.ref_code)
     import torch
     import transformers
     from ouro_ref.modeling_ouro import OuroForCausalLM

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--runs: unknown mode {m!r} (one of {sorted(MODES)})")
     ps = prompts(a.model, a.num_prompts, a.new_tokens, ALPACA)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1"}
-    ref_cmd = [a.ref_python, str(WORKER), "--model", a.model, "--ref-code", a.ref_code]
+    ref_cmd = [a.ref_python, str(WORKER), "--model", a.model]
+    ref_env = {**env, "PYTHONPATH": a.ref_code}  # (the reference's package; its venv has none of ours)
     eng_cmd = [sys.executable, "-m", "infer.bench.reference", "--model", a.model, "--ref-python", a.ref_python,
                "--ref-code", a.ref_code, "--worker"]
     batches = sorted({b for _, b in runs})
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(a.rounds):  # interleaved: a round's runs share the machine's state
         for b in batches:
             job = {"prompts": ps, "batch": b, "new_tokens": a.new_tokens, "threads": a.threads}
-            for label, cmd, extra in [(f"ref:{b}", ref_cmd, {})] + [(f"{m}:{bb}", eng_cmd, {"mode": m})
-                                                                  for m, bb in runs if bb == b]:
-                out = run(cmd, {**job, **extra}, env)
+            for label, cmd, extra, e in [(f"ref:{b}", ref_cmd, {}, ref_env)] + [
+                    (f"{m}:{bb}", eng_cmd, {"mode": m}, env) for m, bb in runs if bb == b]:
+                out = run(cmd, {**job, **extra}, e)
                 secs.setdefault(label, []).append(out["seconds"])
                 last[label] = out
                 print(f"round {r + 1}/{a.rounds} {label}: {out['seconds']:.2f} s", file=sys.stderr)

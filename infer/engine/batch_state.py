@@ -64,6 +64,16 @@ def padded_batch(n: int, max_batch_size: int, pad_pow2: bool, ladder: bool = Fal
     return p * 3 // 4 if p >= 512 and n <= p * 3 // 4 else p
 
 
+def launch_sizes(max_batch_size: int, pad_pow2: bool, most: int, ladder: bool) -> list[int]:
+    """Every padded item count (padded_batch) of a launch of 1..`most` items."""
+    sizes, n = set(), 1
+    while n <= most:
+        p = padded_batch(n, max_batch_size, pad_pow2, ladder)
+        sizes.add(p)
+        n = p + 1
+    return sorted(sizes)
+
+
 @dataclass
 class Riders:
     """The prompt chunks riding in a launch as the upload sends them (mixed.py): their items' token
@@ -174,7 +184,7 @@ class BatchState:
             if self.attention_stats is not None:
                 self._count_attention(seqs, self._prev[1].shape[0], self._prev[2])
             return self._prev[1], self._prev[2]
-        own, nblk, MB, S = self._own, self._nblk, self.bt.shape[1], self.bt.shape[0]
+        own, nblk, MB = self._own, self._nblk, self.bt.shape[1]
         if riders is not None:  # the tables the chunks read, where the device lacks them (rewritten whole)
             redo = redo + [s for s in riders.owners if own[s.slot] is not s or nblk[s.slot] != len(s.blocks)]
         idx: list[int] = []  # flat indices into _flat (position, loop step, block-table entries)
@@ -205,7 +215,6 @@ class BatchState:
             self._redo = []
         slots = [s.slot for s in seqs]
         nb = max(map(nblk.__getitem__, slots)) if context and slots else 1
-        n = len(seqs)
         if riders is not None:
             for t, pos, owner in riders.fresh:  # a chunk position entering the loop: its metadata, once
                 idx += (3 * t, 3 * t + 1, 3 * t + 2)

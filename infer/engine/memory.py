@@ -31,7 +31,7 @@ from looplm.exits import initial_aux, score_rule
 from looplm.model import LoopedLM
 
 from . import stages
-from .batch_state import context_blocks, next_pow2, padded_batch, table_width
+from .batch_state import context_blocks, launch_sizes, next_pow2, padded_batch, table_width
 from .config import EngineConfig
 from .stages import TokenBatch
 
@@ -143,11 +143,8 @@ def graph_output_bytes(c: EngineConfig, cfg, dtype: torch.dtype) -> int:
     width = table_width(cfg.max_position, B, cfg.max_position)
     cap = padded_batch(c.max_batch_size, c.max_batch_size, c.pad_pow2)
     mixed = c.prefill == "mixed" and c.attention_backend == "paged"
-    most = c.max_batch_size + (c.max_launch_tokens() if mixed else 0)
-    sizes, n = set(), 1
-    while n <= most:  # (ModelRunner.launch_sizes' ladder)
-        sizes.add(p := padded_batch(n, c.max_batch_size, c.pad_pow2, ladder=mixed))
-        n = p + 1
+    sizes = launch_sizes(c.max_batch_size, c.pad_pow2, c.max_batch_size + (c.max_launch_tokens() if mixed else 0),
+                         mixed)  # (ModelRunner.launch_sizes')
     attends = c.policy == "cb" or cfg.n_coda > 0
     buckets = len({context_blocks(nb, width, True) for nb in range(1, width + 1)}) if attends else 1
     return sum(min(x, cap) for x in sizes) * buckets * cfg.vocab_size * elt

@@ -51,8 +51,8 @@ class TokenSlots:
         if n > len(self.free):
             raise RuntimeError(f"{s.request_id}: a chunk of {n} prompt tokens, {len(self.free)} token slots free: "
                                "more prompt tokens in flight than EngineConfig.max_launch_tokens() allows")
-        got = self.held[s.seq_id] = [self.free.pop() for _ in range(n)]
-        return got
+        self.held[s.seq_id] = [self.free.pop() for _ in range(n)]
+        return self.held[s.seq_id]
 
     def give_back(self, seq_id: int) -> None:
         self.free += reversed(self.held.pop(seq_id, ()))

@@ -30,7 +30,7 @@ from looplm.exits import initial_aux, preloop_cdf, score_rule
 from looplm.model import LoopedLM
 
 from . import mixed, speculative, stages
-from .batch_state import BatchState, padded_batch
+from .batch_state import BatchState, launch_sizes, padded_batch
 from .block_manager import BlockManager, kv_rows
 from . import graphs as graph_cache
 from .scheduler import Scores, SwapOp, Work
@@ -186,12 +186,7 @@ class ModelRunner:
         to the most items one can carry."""
         ladder = self.batch_state.ladder
         most = self.max_batch_size + (len(self.token_slots.free) if ladder else 0)
-        sizes, n = set(), 1
-        while n <= most:
-            p = padded_batch(n, self.max_batch_size, self.pad_pow2, ladder)
-            sizes.add(p)
-            n = p + 1
-        return sorted(sizes)
+        return launch_sizes(self.max_batch_size, self.pad_pow2, most, ladder)
 
     @property
     def attention_stats(self) -> dict | None:

@@ -226,9 +226,9 @@ def _count_launches(eng, counter: OpCounter) -> list:
     return rows
 
 
-def _count(cfg, kind: str, kv_layout: str, criterion: str, attention: str) -> OpCounts:
-    """One counting engine run (`kind`: "cdb" the prelude / core / coda, "cb" the fused iteration,
-    "prefill" separate prefill launches, "spec" speculative stages)."""
+def _settings(kind: str, kv_layout: str, criterion: str) -> dict:
+    """The counting engine's settings for CDB's stages ("cdb": refill at K=1, full depth under criterion
+    "none") or CB's fused iteration ("cb"); other kinds start from the layout alone."""
     settings = {"kv_layout": kv_layout}
     if kind == "cdb":
         settings.update(policy="cdb", refill=True, min_coda_batch=1)
@@ -238,9 +238,16 @@ def _count(cfg, kind: str, kv_layout: str, criterion: str, attention: str) -> Op
             settings.update(exit_criterion=criterion, exit_threshold=0.5)
     elif kind == "cb":
         settings.update(policy="cb")
-    elif kind == "prefill":
+    return settings
+
+
+def _count(cfg, kind: str, kv_layout: str, criterion: str, attention: str) -> OpCounts:
+    """One counting engine run (`kind`: "cdb" the prelude / core / coda, "cb" the fused iteration,
+    "prefill" separate prefill launches, "spec" speculative stages)."""
+    settings = _settings(kind, kv_layout, criterion)
+    if kind == "prefill":
         settings.update(policy="cdb", prefill="separate", full_depth=True)
-    else:
+    elif kind == "spec":
         settings.update(policy="cdb", refill=True, min_coda_batch=1, exit_criterion=criterion, exit_threshold=0.5,
                         speculative_tokens=3, speculative_max_batch=4)
     counter = OpCounter()
@@ -332,13 +339,7 @@ def graphed_dispatches(cfg, kind: str, kv_layout: str, criterion: str = "none") 
     import weakref
 
     from infer.engine.graphs import GraphStandIn
-    settings = {"kv_layout": kv_layout, "attention_backend": "paged"}
-    if kind == "cdb":
-        settings.update(policy="cdb", refill=True, min_coda_batch=1)
-        settings.update(full_depth=True) if criterion == "none" else settings.update(exit_criterion=criterion,
-                                                                                     exit_threshold=0.5)
-    else:
-        settings.update(policy="cb")
+    settings = {**_settings(kind, kv_layout, criterion), "attention_backend": "paged"}
     counter = OpCounter()
     most: dict[str, int] = {}
     with torch.inference_mode():
