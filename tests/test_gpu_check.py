@@ -372,8 +372,8 @@ def test_launch_probe_measures_gaps_and_peaks_per_kind(monkeypatch):
     alloc = {"now": 100, "peak": 100}
     fake_cuda(monkeypatch, alloc)
     probe = G.LaunchProbe(torch.device("cuda", 0))
-    chunk = SimpleNamespace(seq_id=0)
-    launches = [(Work(Stage.PRELUDE, [], chunks=[chunk]), 0.0, 900), (Work(Stage.CORE, []), 2.0, 150),
+    chunk = SimpleNamespace(seq_id=0, chunk=(0, 8), prompt_ids=[1] * 8)  # a prompt chunk in flight
+    launches = [(Work(Stage.PRELUDE, [chunk]), 0.0, 900), (Work(Stage.CORE, []), 2.0, 150),
                 (Work(Stage.CORE, []), 0.0, 160), (Work(Stage.CODA, []), 1.0, 120)]
     for work, gap, peak in launches:
         FakeEvent.gap = gap  # the device idles `gap` ms before this launch begins
