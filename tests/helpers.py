@@ -177,7 +177,7 @@ def fake_postprocess(sch, work, rng, token, finals=False, max_len=64, out=None):
         sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
     elif work.stage.emits:
         fin = {}
-        for s in (work.seqs + work.finals) if finals else work.seqs:
+        for s in work.emitting if finals else work.seqs:
             s.output_ids.append(token(rng))
             if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= max_len:
                 fin[s.seq_id] = "length"
@@ -242,8 +242,8 @@ class ContentRunner:
 def check_blocks(sch, bm):
     """Every block's reference count is the number of block tables holding it; held, free and
     cached blocks partition the pool; the cache map is consistent; no slot is held twice."""
-    ch = sch.chunks
-    holders = sch.preemption.holders() + list(ch.partial) + [s for q in ch.at.values() for s in q]
+    chunks = [s for q in sch.queues.values() for s in q if s.chunk is not None]
+    holders = sch.preemption.holders() + list(sch.chunker.partial) + chunks
     assert len(holders) == len(set(map(id, holders)))
     count = [0] * bm.num_blocks
     for s in holders:

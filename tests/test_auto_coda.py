@@ -188,7 +188,9 @@ def test_the_scheduler_steps_the_rest_of_a_split_core_queue_next():
     from infer.engine.scheduler import Scheduler
     from infer.engine.sequence import Sequence
     sch = Scheduler.__new__(Scheduler)  # only the core step's choice: a queue and auto's table
-    sch.core_q, sch.riding, sch.auto = [Sequence.__new__(Sequence) for _ in range(80)], {Stage.CORE: []}, _rows(1.0)
+    sch.core_q, sch.chunker, sch.auto = [Sequence.__new__(Sequence) for _ in range(80)], None, _rows(1.0)
+    for s in sch.core_q:
+        s.chunk = None  # decode items
     sch.queues = {Stage.CORE: sch.core_q}
     q0 = list(sch.core_q)
     first = sch._core()

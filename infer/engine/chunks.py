@@ -44,10 +44,12 @@ from typing import Callable
 from .block_manager import BlockManager, block_hashes
 from .sequence import Sequence, Stage, Status
 
-STAGES = (Stage.PRELUDE, Stage.CORE, Stage.CODA)
+class Chunker:
+    """Mixed prefill's part of the scheduler: which prompt chunks a launch admits, and what a chunk's
+    coda leaves (the prompt done, or its next chunk to admit). The chunks in flight are items of the
+    scheduler's own queues (`seq.chunk` set); this keeps only their counts and the prompts between
+    chunks (`partial`)."""
 
-
-class ChunkQueues:
     def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_model_len: int,
                  reserve_kv: bool = False, caching: bool = False):
         self.budget, self.chunked, self.r_full = budget, chunked, r_full
@@ -55,26 +57,29 @@ class ChunkQueues:
         self.caching = caching
         # prompt tokens looked up in the prefix cache and found there (Scheduler.counters merges them)
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
-        self.at: dict[Stage, list[Sequence]] = {s: [] for s in STAGES}  # chunks waiting for that stage
+        self.flying = 0  # chunk items in the scheduler's queues
+        self.tokens = 0  # their prompt positions
         self.partial: deque[Sequence] = deque()  # admitted, a chunk done, the next one not yet admitted
 
     @property
     def held(self) -> int:
         """Sequences that hold a slot while prefilling."""
-        return len(self.partial) + sum(len(q) for q in self.at.values())
-
-    def tokens_in_flight(self) -> int:
-        return sum(s.chunk[1] - s.chunk[0] for q in self.at.values() for s in q)
+        return len(self.partial) + self.flying
 
     def drop(self, seq: Sequence) -> None:
-        """Take a prefilling sequence (aborted) out of the one queue that holds it: a chunk in flight
-        waits for its stage (`seq.chunk` is set), a prompt between chunks in `partial`."""
-        (self.at[seq.stage] if seq.chunk is not None else self.partial).remove(seq)
+        """Forget a prefilling sequence (aborted): a chunk in flight (`seq.chunk` set; the scheduler
+        takes it out of its queue) or a prompt between chunks (out of `partial`)."""
+        if seq.chunk is None:
+            self.partial.remove(seq)
+        else:
+            self.flying -= 1
+            self.tokens -= seq.chunk[1] - seq.chunk[0]
 
     def admit(self, waiting: deque[Sequence], decode_items: int, running: int, max_batch: int, new: bool = True,
               keep_free: Callable[[int], int] = lambda admitted: 0) -> list[Sequence]:
-        """New chunks for the next prelude (or fused) launch (see the module docstring)."""
-        inflight = self.tokens_in_flight()
+        """New chunks for the next prelude (or fused) launch (see the module docstring); the
+        scheduler puts them in its prelude queue."""
+        inflight = self.tokens
         room = self.budget - decode_items - inflight
         out: list[Sequence] = []
         while self.partial or (waiting and new):
@@ -109,37 +114,27 @@ class ChunkQueues:
             s.status, s.stage = Status.RUNNING, Stage.PRELUDE
             out.append(s)
             room -= n
-        self.at[Stage.PRELUDE].extend(out)
+            self.tokens += n
+        self.flying += len(out)
         return out
 
-    def after(self, stage: Stage, chunks: list[Sequence]) -> list[Sequence]:
-        """Advance the chunks of a launch; returns those whose prompt is now complete (their first
-        token was sampled in this launch). Prelude -> core; core: one step (r_full -> coda); coda or
-        CB's fused launch: the chunk is done (-> `partial`, or complete)."""
-        if not chunks:
-            return []
-        ids = {id(s) for s in chunks}
-        if stage is Stage.PRELUDE:
-            self._move(ids, Stage.PRELUDE, Stage.CORE, chunks)
-            return []
-        if stage is Stage.CORE:
-            for s in chunks:
-                s.step += 1
-            self._move({id(s) for s in chunks if s.step >= self.r_full}, Stage.CORE, Stage.CODA, chunks)
-            return []
-        src = Stage.CODA if stage is Stage.CODA else Stage.PRELUDE  # fused: admitted, done in one launch
-        self.at[src][:] = [s for s in self.at[src] if id(s) not in ids]
-        done = []
+    def done(self, chunks: list[Sequence]) -> list[Sequence]:
+        """The chunks whose coda (or CB's fused launch) ran, out of the scheduler's queue already:
+        returns those whose prompt is now complete (their first token was sampled in this launch);
+        the others wait in `partial` for their next chunk's admission."""
+        complete = []
         for s in chunks:
             if self.caching:
                 self._register(s)
+            self.tokens -= s.chunk[1] - s.chunk[0]
             s.prefilled, s.chunk, s.step = s.chunk[1], None, 0
             if s.prefilled == len(s.prompt_ids):
-                done.append(s)
+                complete.append(s)
             else:
                 s.stage = Stage.PREFILL  # (running: its next chunk waits for admission)
                 self.partial.append(s)
-        return done
+        self.flying -= len(chunks)
+        return complete
 
     def _lookup(self, s: Sequence) -> list[int]:
         """The cached blocks a new prompt starts with (see the module docstring)."""
@@ -154,15 +149,3 @@ class ChunkQueues:
         hashes = block_hashes(s.prompt_ids, B, s.block_hashes)
         for i in range(s.chunk[0] // B, s.chunk[1] // B):
             self.blocks.register(s.blocks[i], hashes[i])
-
-    def _move(self, ids: set[int], src: Stage, dst: Stage, chunks: list[Sequence]) -> None:
-        moved = [s for s in chunks if id(s) in ids]
-        self.at[src][:] = [s for s in self.at[src] if id(s) not in ids]
-        for s in moved:
-            s.stage = dst
-        self.at[dst].extend(moved)
-
-
-def final_chunks(chunks: list[Sequence]) -> list[Sequence]:
-    """The chunks that end their prompt: a coda (or fused) launch samples their first token."""
-    return [s for s in chunks if s.chunk[1] == len(s.prompt_ids)]

@@ -228,7 +228,7 @@ class LLMEngine:
             emitted: list[Sequence] = []
         else:
             finished = self.processor.process(work, out)
-            emitted = work.seqs + work.finals if work.finals else work.seqs
+            emitted = work.emitting
         self.scheduler.postprocess(work, finished=finished)
         return emitted
 
@@ -253,7 +253,7 @@ class LLMEngine:
         """`work` and its output without the decode items that stopped after it was launched."""
         keep = [i for i, s in enumerate(work.seqs) if s.finish_reason is None]
         n = len(work.seqs)
-        work.seqs = [work.seqs[i] for i in keep]
+        work.keep_decode(keep)
         if out is None or isinstance(out, SpecOut):  # (no speculation under re-entry: EngineConfig.refuse)
             return out
         if isinstance(out, Emitted):  # decode rows, then the final chunks' rows
@@ -265,10 +265,9 @@ class LLMEngine:
         """A launch whose cost min_coda_batch="auto" learns (auto_coda.py): a virtual runner's priced
         seconds; on a CPU the wall clock (launches are synchronous); on CUDA its events, read once
         done at a later step (LaunchTimer). Queued (AutoCoda.queue) with the exits that waited
-        through it and the running sequences (Scheduler.idle, inline: this runs at every launch)."""
+        through it and the running sequences (Scheduler.idle)."""
         sch = self.scheduler
-        idle = len(sch.coda_q)
-        slots = sch.num_running if idle else 0
+        idle, slots = sch.idle()
         if self._launch_timer is not None:
             out, secs = self._timed_cuda(work), None
         else:

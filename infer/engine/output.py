@@ -93,7 +93,7 @@ class OutputProcessor:
         rows are each sequence's verified positions, taken up to its first rejected draft."""
         if work.stage is Stage.SPEC:
             return self._accept(work.seqs, out)
-        seqs = work.seqs + work.finals if work.finals else work.seqs  # finals: prompt chunks' first tokens
+        seqs = work.emitting  # (with the final prompt chunks: their first tokens)
         logits, prompt = out
         chosen = self.sampler(logits, seqs, bool(self.sampling))  # one batched call, one device-to-host copy
         now = time.perf_counter()
@@ -132,7 +132,7 @@ class OutputProcessor:
             return False
         if self.host_rows:
             rows = self.host_rows
-            return not any(s.seq_id in rows for s in (work.seqs + work.finals if work.finals else work.seqs))
+            return not any(s.seq_id in rows for s in work.emitting)
         return True
 
     def defer(self, work: Work, out: Emitted, runner) -> tuple[UnreadSample, dict[int, None]]:
@@ -143,7 +143,7 @@ class OutputProcessor:
         unread sample and the sequences that reach their length limit with this token (by seq_id):
         they stop whatever the id is, so the scheduler frees them now and no launch runs them again
         (their finish reason comes with the id)."""
-        seqs = work.seqs + work.finals if work.finals else work.seqs
+        seqs = work.emitting
         logits = out.logits
         ids = self.sampler.device_ids(logits, seqs, bool(self.sampling))
         runner.reenter(seqs, ids)

@@ -12,6 +12,8 @@ queue too: the loop state travels with them). Exact for every layout: the number
 recomputed. Host swap space is counted in blocks; when it is full the sequence that needs a block
 waits (`stalled`) while others run, unless nothing else could run (then it is swapped out all the
 same: `swap_overcommits`, so that nothing deadlocks).
+A prefilling sequence (a prompt chunk in a queue, or a prompt between chunks) is never preempted:
+its chunk's loop state lives in token slots (mixed.py), which a swap does not copy.
 
 Where a preempted sequence waits is its `status`: `Status.STALLED` (in `stalled`, holding its blocks
 and slot, back to the prelude queue once a block is free) or `Status.SWAPPED` (in `swapped`, holding
@@ -65,8 +67,10 @@ class Preemption:
         return ops
 
     def holders(self) -> list[Sequence]:
-        """The decode sequences that hold blocks and a slot (the preemption candidates)."""
-        return self.prelude_q + self.queues[Stage.CORE] + self.queues[Stage.CODA] + self.stalled
+        """The decode sequences that hold blocks and a slot (the preemption candidates; a prompt chunk
+        in the queues is not one: module docstring)."""
+        return [s for s in self.prelude_q + self.queues[Stage.CORE] + self.queues[Stage.CODA] if s.chunk is None] + \
+            self.stalled
 
     def drop(self, seq: Sequence) -> None:
         """Forget a stalled or swapped sequence (aborted): it leaves its container, and a swapped
@@ -88,7 +92,7 @@ class Preemption:
         grew (Work.grown); False: it stalled or was swapped out."""
         while not self.blocks.grow_seq(s, s.num_tokens):  # the rows of positions 0..position
             victim = max(self.holders(), key=_rank)
-            others_run = any(x is not victim for x in self.prelude_q + self.queues[Stage.CORE] +
+            others_run = any(x is not victim and x.chunk is None for x in self.prelude_q + self.queues[Stage.CORE] +
                              self.queues[Stage.CODA] if x is not s)
             if self.swapped_blocks + len(victim.blocks) > self.swap_blocks:
                 if others_run:  # swap space full: wait for a running sequence to finish

@@ -1,9 +1,10 @@
 """The CDB scheduler: four queues, three policies, and every queue transition. Pure Python (no
 torch), so the simulator (infer/sim/) replays it on a cost model.
 
-Queues (the paper's four): `waiting` (prefill), `prelude_q` (decode tokens waiting for the
-prelude), `core_q` (items at mixed depths waiting for their next core step), `coda_q` (exited
-tokens waiting for the coda). `schedule()` picks the next stage and its batch:
+Queues (the paper's four): `waiting` (prefill), `prelude_q` (items waiting for the prelude),
+`core_q` (items at mixed depths waiting for their next core step), `coda_q` (exited items waiting
+for the coda). An item is a sequence with the positions it runs at one loop step (`Work`): a
+decode token, or under mixed prefill a prompt chunk. `schedule()` picks the next stage and its batch:
 - `cb`: token-level continuous batching (the baseline): prefill new requests between
   iterations, else one fused iteration (prelude + r_max core steps + coda) over the running
   sequences that share the oldest one's r_max (requests may ask for a lower r_max).
@@ -19,10 +20,11 @@ One ladder (`_policy`) serves both prefill modes; they differ in one step, `_pre
 - `prefill="separate"`: whole prompts run in prefill launches of their own, of at most
   `max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
 - `prefill="mixed"` (the default): prompt chunks (chunks.py: the admission rule and the token
-  budget) are admitted into a prelude launch (CB: the fused iteration), where the separate
-  prefill would have run; every prelude launch takes the chunks admissible then. A chunk then
-  rides in the core and coda launches alongside the decode items (`riding`), and a finished chunk
-  counts as K exits (its coda gives the prompt's first token).
+  budget) are admitted into the prelude queue right before a prelude launch (CB: the fused
+  iteration), where the separate prefill would have run. A chunk is then an item of the same
+  queues as the decode tokens, with two rules of its own: it runs r_max core steps (it never exits
+  early, and a split core step takes every chunk), and a chunk waiting for its coda counts as K
+  exits (its coda gives the prompt's first token).
 
 Memory: admission (FIFO) gives a request its prompt's blocks (with prefix caching, the cached
 blocks of its prompt's head shared read-only: chunks.py), leaving a watermark free; a token that
@@ -31,7 +33,7 @@ is preempted (preemption.py: swap out, stall, resume). These files decide when; 
 changes the block tables and slots (`allocate_seq`, `grow_seq`, `shrink_seq`, `free_seq`). Each
 sequence's `status` (and, running, its `stage`) names the one container that holds it (`finish`
 takes it out of exactly that one): WAITING the waiting queue, STALLED and SWAPPED preemption's,
-RUNNING the queue of its stage (or the chunk queues while its prompt is prefilled).
+RUNNING the queue of its stage (between two chunks of its prompt: the chunker's `partial`).
 
 `postprocess(work, ...)` applies a stage's outcome: who moves to which queue, who finished. With
 the lookahead pipeline a core step's exit scores are read one core step late (while the next
@@ -50,7 +52,7 @@ from looplm.policy import ExitTracker
 
 from .auto_coda import AutoCoda
 from .block_manager import BlockManager
-from .chunks import ChunkQueues, final_chunks
+from .chunks import Chunker
 from .preemption import Preemption, SwapOp
 from .sequence import Sequence, Stage, Status
 
@@ -72,11 +74,16 @@ class Scores(Protocol):
 
 @dataclass
 class Work:
+    """One launch: its stage and its scheduled items. An item is a sequence with the positions it
+    runs, at one loop step (`seq.step`): a decode token (its last position; `seq.chunk` is None) or
+    a prompt chunk (positions `seq.chunk` = [a, e), mixed prefill: chunks.py); under separate
+    prefill a PREFILL launch's items are whole prompts. An item emits a token when the launch ends
+    with logits and it covers its sequence's last position: every decode item, and a chunk that
+    ends its prompt. The runner lays decode items and chunk positions out differently (mixed.py),
+    so the launch keeps the two views of `items`, in item order: `seqs` and `chunks`."""
     stage: Stage
-    seqs: list[Sequence]  # decode items (PREFILL: whole prompts)
+    items: list[Sequence]
     r_max: int = 0  # FUSED: the loop steps of this iteration
-    chunks: list[Sequence] = field(default_factory=list)  # mixed prefill: the sequences whose prompt chunk rides along
-    finals: list[Sequence] = field(default_factory=list)  # the chunks whose first token this launch samples
     # sequences whose slot or block table changed since the previous Work (admitted, swapped in,
     # resumed): the runner rewrites their per-slot metadata; every other slot is known to it already
     changed: list[Sequence] = field(default_factory=list)
@@ -89,6 +96,32 @@ class Work:
     spec: list[int] = field(default_factory=list)
     spec_blocks: list[int] = field(default_factory=list)  # SPEC: each table's length before the window grew it
     draft_depth: int = 0
+    # the views of `items` (set from it: `_split`)
+    seqs: list[Sequence] = field(init=False, repr=False)  # the decode items (PREFILL: the prompts)
+    chunks: list[Sequence] = field(init=False, repr=False)  # the prompt chunks
+    finals: list[Sequence] = field(init=False, repr=False)  # the chunks whose prompt's first token this launch samples
+
+    def __post_init__(self) -> None:
+        self._split()
+
+    def _split(self) -> None:
+        items = self.items
+        ch = [s for s in items if s.chunk is not None]
+        self.chunks = ch
+        self.seqs = [s for s in items if s.chunk is None] if ch else items
+        self.finals = [s for s in ch if s.chunk[1] == len(s.prompt_ids)] if ch and self.stage.emits else []
+
+    @property
+    def emitting(self) -> list[Sequence]:
+        """The items that get a token from this launch, in the order of its logits' rows: the decode
+        items, then the final chunks."""
+        return self.seqs + self.finals if self.finals else self.seqs
+
+    def keep_decode(self, keep: list[int]) -> None:
+        """Keep only the decode items at `keep` (indices into `seqs`; the chunks all stay)."""
+        seqs = self.seqs
+        self.items = [seqs[i] for i in keep] + self.chunks
+        self._split()
 
 
 class Scheduler:
@@ -106,10 +139,8 @@ class Scheduler:
         # the decode queue of each stage (built once: the queues are only ever changed in place)
         self.queues = {PRELUDE: self.prelude_q, CORE: self.core_q, CODA: self.coda_q}
         # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
-        self.chunks = (ChunkQueues(cfg.max_prefill_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
-                                   cfg.reserve_kv, cfg.enable_prefix_caching) if cfg.prefill == "mixed" else None)
-        # the prompt chunks waiting for each decode stage (empty under separate prefill: one ladder reads both)
-        self.riding = self.chunks.at if self.chunks is not None else {s: [] for s in self.queues}
+        self.chunker = (Chunker(cfg.max_prefill_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
+                                cfg.reserve_kv, cfg.enable_prefix_caching) if cfg.prefill == "mixed" else None)
         self.preemption = Preemption(blocks, self.queues, blocks.num_blocks if swap_blocks is None else swap_blocks)
         # preempted sequences (preemption.py's containers, changed in place only)
         self.swapped, self.stalled = self.preemption.swapped, self.preemption.stalled
@@ -124,7 +155,7 @@ class Scheduler:
     def num_running(self) -> int:
         """Sequences holding KV blocks and a state slot: decoding, stalled, or prefilling in chunks."""
         return (len(self.prelude_q) + len(self.core_q) + len(self.coda_q) + len(self.stalled) +
-                (self.chunks.held if self.chunks else 0))
+                (len(self.chunker.partial) if self.chunker else 0))
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.swapped) or self.num_running > 0
@@ -133,7 +164,7 @@ class Scheduler:
     def counters(self) -> dict[str, int]:
         """Preemption counters (preemption.py), and prefix-cache lookups under mixed prefill (chunks.py)."""
         c = self.preemption.counters
-        return {**c, **self.chunks.counters} if self.chunks is not None else dict(c)
+        return {**c, **self.chunker.counters} if self.chunker is not None else dict(c)
 
     def take_swaps(self) -> list[SwapOp]:
         return self.preemption.take_ops()
@@ -161,9 +192,9 @@ class Scheduler:
         st = seq.status
         if st is RUNNING:
             if seq.chunk is not None or seq.stage is PREFILL:  # prefilling: the runner holds chunk state
-                self.chunks.drop(seq)
+                self.chunker.drop(seq)
                 self.released.append(seq)
-            else:
+            if seq.stage is not PREFILL:  # (between chunks: in the chunker's `partial` only)
                 self.queues[seq.stage].remove(seq)
         elif st is WAITING:
             self.waiting.remove(seq)
@@ -198,14 +229,14 @@ class Scheduler:
     def _policy(self) -> Work | None:
         """The policy ladder (module docstring), for both prefill modes: `_prefill` is the prefill
         step, `_prelude` a prelude launch (under mixed prefill it takes the chunks admissible)."""
-        c, at = self.cfg, self.riding
+        c = self.cfg
         if c.policy == "cb":
             return self._prefill() or self._fused()
         if not c.refill:
             return self._take(CORE) or self._take(CODA) or self._prefill() or self._prelude()
-        if self.last_stage in (PREFILL, CODA) and (self.prelude_q or at[PRELUDE]):
+        if self.last_stage in (PREFILL, CODA) and self.prelude_q:
             return self._prelude()
-        if (self.coda_q or at[CODA]) and (at[CODA] or not (self.core_q or at[CORE]) or self._coda_now()):
+        if self.coda_q and (not self.core_q or self._chunk_in(self.coda_q) or self._coda_now()):
             return self._take(CODA)  # (a finished chunk counts as K exits: its first token waits)
         return self._prefill() or self._core() or self._prelude()
 
@@ -214,12 +245,23 @@ class Scheduler:
         launches at smaller padded sizes cost less than one (AutoCoda.core_plan). The items stepped
         go to the back of the queue, so the next core launch takes those that were not."""
         q = self.core_q
-        a = self.auto.core_batch(len(q)) if self.auto is not None and len(q) > 1 else len(q)
-        work = self._take(CORE)
-        if work is not None and a < len(q):
-            work.seqs = q[:a]
-            q[:] = q[a:] + q[:a]
-        return work
+        n = self._decode_items(q)
+        a = self.auto.core_batch(n) if self.auto is not None and n > 1 else n
+        if a == n:
+            return self._take(CORE)
+        decode = [s for s in q if s.chunk is None] if n < len(q) else q
+        items = decode[:a] + [s for s in q if s.chunk is not None]  # (the chunks in flight: every core step)
+        q[:] = decode[a:] + items
+        return Work(CORE, items)
+
+    def _chunk_in(self, q: list[Sequence]) -> bool:
+        return self.chunker is not None and self.chunker.flying > 0 and any(s.chunk is not None for s in q)
+
+    def _decode_items(self, q: list[Sequence]) -> int:
+        """The decode items in a queue (its other items: prompt chunks in flight)."""
+        if self.chunker is None or not self.chunker.flying:
+            return len(q)
+        return sum(1 for s in q if s.chunk is None)
 
     def _coda_now(self) -> bool:
         """Refill: the waiting exits' coda now, rather than another core step first: K of them wait,
@@ -227,14 +269,14 @@ class Scheduler:
         if self.auto is None:  # (a fixed K; "auto" without the engine's costs: at once, as auto's cold start)
             k = self.cfg.min_coda_batch
             return k == "auto" or len(self.coda_q) >= k
-        return self.auto.coda_now(len(self.coda_q), len(self.core_q), *self.idle())
+        return self.auto.coda_now(len(self.coda_q), self._decode_items(self.core_q), *self.idle())
 
     def idle(self) -> tuple[int, int]:
         """(min_coda_batch="auto") The exits waiting for a coda, and the running sequences. (Waiting
         requests are not counted: most wait for KV memory, which an earlier coda does not free.)
-        With no exit waiting the running count is not needed (0). (LLMEngine._timed reads the same
-        two at every launch, inline.)"""
-        n = len(self.coda_q)
+        With no exit waiting the running count is not needed (0). (LLMEngine._timed reads them at
+        every launch.) A prompt chunk waiting for its coda is not an exit."""
+        n = self._decode_items(self.coda_q)
         return n, self.num_running if n else 0
 
     def _speculate(self) -> Work | None:
@@ -253,7 +295,7 @@ class Scheduler:
         running = self.num_running
         if not q and not self.core_q and not self.coda_q or running > c.speculative_max_batch or \
                 self.waiting and running < c.max_batch_size or self.swapped or self.stalled or \
-                (self.chunks is not None and self.chunks.held):
+                (self.chunker is not None and self.chunker.held):
             return None
         if not any(s.params.speculate and not s.sampled and s.forced is None and s.max_out - len(s.output_ids) >= 2
                    for s in (*q, *self.core_q, *self.coda_q)):
@@ -282,7 +324,7 @@ class Scheduler:
 
     def _prefill(self) -> Work | None:
         """The prefill step, the one point where the prefill modes differ (module docstring)."""
-        if self.chunks is None:
+        if self.chunker is None:
             return self._prefill_launch()
         return self._fused_chunks() if self.cfg.policy == "cb" else self._prelude_chunks()
 
@@ -315,36 +357,31 @@ class Scheduler:
         """Mixed prefill's step under CB (vLLM's chunked prefill): prompt chunks admitted into the
         fused iteration, which then runs at the model's r_max; a group of requests that asked for a
         lower r_max runs without them (round robin, as in `_fused`)."""
-        r_full, q = self.chunks.r_full, self.prelude_q
+        r_full, q = self.chunker.r_full, self.prelude_q
         if q and q[0].policy.r_max != r_full:
             return None
-        self._admit()
-        chunks = list(self.riding[PRELUDE])  # under CB a chunk is admitted and done in one launch
-        if not chunks:
+        if not self._admit():  # (under CB a chunk is admitted and done in one launch: none was waiting)
             return None
-        work = self._fused() or Work(FUSED, [], r_max=r_full)
-        work.chunks, work.finals = chunks, final_chunks(chunks)
-        return work
+        return Work(FUSED, [s for s in q if s.chunk is not None or s.policy.r_max == r_full], r_max=r_full)
 
     def _admit(self) -> list[Sequence]:
-        decode = len(self.prelude_q) + len(self.core_q) + len(self.coda_q)
+        ch = self.chunker
+        decode = len(self.prelude_q) + len(self.core_q) + len(self.coda_q) - ch.flying
         # swapped sequences come back before any new admission (FIFO); admission leaves the watermark
-        out = self.chunks.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
-                                new=not self.swapped, keep_free=self._keep_free)
+        out = ch.admit(self.waiting, decode, self.num_running, self.cfg.max_batch_size,
+                       new=not self.swapped, keep_free=self._keep_free)
+        self.prelude_q += out
         self.changed += out  # new slots and block tables (a later chunk's: unchanged, rewritten all the same)
         return out
 
     def _prelude(self) -> Work | None:
-        if self.chunks is not None:
+        if self.chunker is not None:
             self._admit()
         return self._take(PRELUDE)
 
     def _take(self, stage: Stage) -> Work | None:
-        q, ch = self.queues[stage], self.riding[stage]
-        if not ch:
-            return Work(stage, list(q)) if q else None
-        chunks = list(ch)
-        return Work(stage, list(q), chunks=chunks, finals=final_chunks(chunks) if stage is CODA else [])
+        q = self.queues[stage]
+        return Work(stage, list(q)) if q else None
 
     def _fused(self) -> Work | None:
         """CB runs one depth per iteration: the running sequences that share the r_max of the one
@@ -360,10 +397,9 @@ class Scheduler:
         maps the seq_id of each sequence that stopped to its finish reason; the rest decode on.
         The per-item loops here run once per item per stage: they stay free of calls where they can
         (the host time per stage is what a GPU waits on; infer/bench/host.py measures it)."""
-        done = self.chunks.after(work.stage, work.chunks) if self.chunks is not None else []
-        seqs = work.seqs
+        seqs, chunks = work.seqs, work.chunks
         if work.stage is PRELUDE:
-            self._drop(seqs, self.prelude_q)
+            self._drop(work.items, self.prelude_q)
             for s in seqs:
                 s.stage, s.step, s.step_scored = CORE, 0, 0
                 t = s.tracker
@@ -371,16 +407,21 @@ class Scheduler:
                     s.tracker = ExitTracker(s.policy)
                 else:
                     t.reset()
+            for s in chunks:  # (a chunk never exits early: no tracker)
+                s.stage = CORE
             if scores is not None:  # preloop: each item's exit-depth CDF fixes its depth now
                 for s, cdf in zip(seqs, scores.get()):
                     s.tracker.at_prelude(cdf)
-            self.core_q += seqs
+            self.core_q += work.items
         elif work.stage is CORE:
             self._after_core(seqs, scores)
+            if chunks:
+                self._after_core_chunks(chunks)
         else:
             src = self.coda_q if work.stage is CODA else self.prelude_q if work.stage in (FUSED, SPEC) else None
             if src is not None:
-                self._drop(seqs, src)
+                self._drop(work.items, src)
+            done = self.chunker.done(chunks) if chunks else None
             if work.stage is SPEC:  # rollback: the blocks the window took past the last accepted
                 B = self.blocks.block_size  # position go back (never one held before: reserve_kv's stay)
                 for s, n in zip(seqs, work.spec_blocks):
@@ -414,6 +455,19 @@ class Scheduler:
         elif seqs:
             ids = {id(s) for s in seqs}
             q[:] = [s for s in q if id(s) not in ids]
+
+    def _after_core_chunks(self, chunks: list[Sequence]) -> None:
+        """A core step's prompt chunks: one step each; after r_full steps, the coda queue."""
+        r_full, done = self.chunker.r_full, []
+        for s in chunks:
+            s.step += 1
+            if s.step >= r_full:
+                done.append(s)
+        if done:
+            self._drop(done, self.core_q)
+            for s in done:
+                s.stage = CODA
+            self.coda_q += done
 
     def _after_core(self, seqs: list[Sequence], scores: Scores) -> None:
         """Advance every item one step, feed the exit trackers, move the items that exit to the coda

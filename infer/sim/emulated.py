@@ -179,11 +179,11 @@ class EmulatedRunner(SimRunner):
         self._returned = end
         if not isinstance(out, Emitted):
             return out
-        rows = len(work.seqs) + len(work.finals)
+        rows = len(work.emitting)
         firsts = work.seqs if work.stage is Stage.PREFILL else work.finals  # the prompts completed here
         prompt = {s.seq_id: self._wide(len(s.prompt_ids)) for s in firsts if s.params.prompt_logprobs is not None}
         # teacher forcing reads the forced token's log-prob: then every id needs a logit
-        wide = any(s.forced is not None for s in (*work.seqs, *work.finals))
+        wide = any(s.forced is not None for s in work.emitting)
         return Emitted(self._wide(rows) if wide else self._row.expand(rows, -1), prompt or None)
 
     def _wide(self, rows: int) -> torch.Tensor:

@@ -275,7 +275,7 @@ class SimRunner:
             # the launch's cost that the prompts add (weights are paid by the decode items anyway)
             prompt_seconds=(t - self.cost(c.without_prompts()) if n else t) if work.chunks else None))
         if work.stage.emits:
-            self._stamp(seqs + work.finals if work.finals else seqs, end)
+            self._stamp(work.emitting, end)
             resolve = getattr(self.cost, "resolve_seconds", None)
             self._emitted = (end, resolve(work.stage, c.padded) if resolve is not None and self.reentry else 0.0)
             self._unread = end
