@@ -123,7 +123,7 @@ RATIOS = {"pipeline_speedup": ("cdb_refill_k1_no_pipeline", "cdb_refill_k1"),
 SMALL = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=4, head_dim=32, vocab_size=1024,
              max_position=64)
 SMALL_SHAPES = {"ouro-1.4b": dict(SMALL, n_core=2), "huginn-3.5b": dict(SMALL, n_prelude=1, n_core=1, n_coda=1)}
-SMALL_BASE = dict(max_batch_size=4, max_prefill_tokens=64, block_size=32, kv_cache_tokens=1024)
+SMALL_BASE = dict(max_batch_size=4, max_num_batched_tokens=64, block_size=32, kv_cache_tokens=1024)
 
 # seconds a section or a mode is estimated to take before anything of it was measured: H100 guesses
 # (the paper shapes; a paged engine compiles its FlexAttention kernels at start-up) and --small's on 2
@@ -451,7 +451,7 @@ def dispatch_section(run: Run, dev: torch.device) -> dict:
         run.doc["nulls"].pop("dispatch.op_us", None)
     run.save()
     m = tiny_model("ouro-tiny", dtype=torch.float32, std=0.15, seed=3, max_position=64).requires_grad_(False).to(dev)
-    cfg = EngineConfig(max_batch_size=2, kv_cache_tokens=256, max_prefill_tokens=16, attention_backend="sdpa",
+    cfg = EngineConfig(max_batch_size=2, kv_cache_tokens=256, max_num_batched_tokens=16, attention_backend="sdpa",
                        cuda_graphs=dev.type == "cuda")
     with stand_in(dev):
         eng = LLMEngine(m, cfg)
@@ -466,7 +466,7 @@ def dispatch_section(run: Run, dev: torch.device) -> dict:
 # ---------------------------------------------------------------------------------- 2. float64 parity
 # the parity engines: a batch of 4 at most, a 16-token launch budget (prompts of up to 40 ids are chunked)
 PARITY_ENGINE = dict(max_batch_size=4, exit_threshold=THRESHOLD, lookahead=True, kv_cache_tokens=512,
-                     max_prefill_tokens=16)
+                     max_num_batched_tokens=16)
 PARITY_ARCHS, PARITY_LAYOUTS = ("ouro-tiny", "huginn-tiny"), ("last_exited", "shared")
 
 

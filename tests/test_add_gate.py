@@ -266,7 +266,7 @@ def test_added_gate_engine_equals_reference(kl_run, mode, layout, lookahead, max
     seed = stable_seed("add_gate", mode, layout, lookahead, max_batch)
     want = served_refs(str(kl_run), layout, lookahead, seed % 2)
     m = served(str(kl_run))
-    eng = LLMEngine(m, EngineConfig(max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512,
+    eng = LLMEngine(m, EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512,
                                     kv_layout=layout, lookahead=lookahead, pipeline=lookahead and max_batch != 3,
                                     async_scheduling=True, **MODES_KBIG[mode]))
     assert eng.config.exit_criterion == "learned" and eng.config.exit_threshold == m.cfg.exit_threshold

@@ -60,9 +60,9 @@ def test_one_context_length_when_the_pool_is_smaller_than_the_checkpoint():
     assert e.value.param == "prompt"
 
 
-@pytest.mark.parametrize("kw", [dict(kv_layout="shared"), dict(kv_layout="last_exited", max_prefill_tokens=12),
+@pytest.mark.parametrize("kw", [dict(kv_layout="shared"), dict(kv_layout="last_exited", max_num_batched_tokens=12),
                                 dict(kv_layout="shared", prefill="separate"), dict(kv_layout="shared", policy="cb"),
-                                dict(kv_layout="last_exited", policy="cb", max_prefill_tokens=12)])
+                                dict(kv_layout="last_exited", policy="cb", max_num_batched_tokens=12)])
 def test_max_launch_tokens_bounds_every_launch(kw):
     """What memory.cuda_budget measures (EngineConfig.max_launch_tokens) is at least every launch
     the scheduler emits, on prompts up to the whole context with a small budget: the whole prompts
@@ -72,7 +72,7 @@ def test_max_launch_tokens_bounds_every_launch(kw):
     print("seed", seed)
     rng = random.Random(seed)
     m = tiny_model("ouro-tiny", max_position=256)
-    eng = LLMEngine(m, EngineConfig(**{"max_prefill_tokens": 24, **kw}, max_batch_size=6, kv_cache_tokens=2048,
+    eng = LLMEngine(m, EngineConfig(**{"max_num_batched_tokens": 24, **kw}, max_batch_size=6, kv_cache_tokens=2048,
                                     trace=True))
     c = eng.config
     reqs = [([rng.randrange(1, 256) for _ in range(rng.choice([3, 20, 60, 200, 250]))], rng.randint(1, 5))
@@ -80,7 +80,7 @@ def test_max_launch_tokens_bounds_every_launch(kw):
     run_staggered(eng, reqs, seed, logprobs=False)
     sizes = [r["tokens"] if r["stage"] == "prefill" else r["batch"] + r["prompt_tokens"] for r in eng.trace]
     assert max(sizes) <= c.max_launch_tokens(), (max(sizes), c.max_launch_tokens())
-    assert max(sizes) > c.max_prefill_tokens  # not vacuous: the bound's exception was exercised
+    assert max(sizes) > c.max_num_batched_tokens  # not vacuous: the bound's exception was exercised
     if not c.chunked_prefill:
         assert max(sizes) > 200
 
@@ -93,11 +93,11 @@ def test_clis_take_the_engine_flags(tmp_path, capsys):
     rows = latency.sweep(tiny_model("ouro-tiny", kv_layout="shared"), [1], [8], repeats=1)
     assert rows and rows[0]["stage"] == "core"
     sim_main(["--model", "ouro-1.4b", "--workloads", "alpaca", "--num-requests", "3", "--ks", "1", "--kv-layout",
-              "shared", "--max-prefill-tokens", "512", "--out", str(tmp_path)])
+              "shared", "--max-num-batched-tokens", "512", "--out", str(tmp_path)])
     import json
     out = json.loads(next(tmp_path.glob("sim_*.json")).read_text())
     ec = out["workloads"][0]["results"][0]["engine_config"]
-    assert ec["kv_layout"] == "shared" and ec["max_prefill_tokens"] == 512
+    assert ec["kv_layout"] == "shared" and ec["max_num_batched_tokens"] == 512
 
 
 @pytest.mark.parametrize("module,argv", [("infer.bench.offline", []), ("infer.sim.__main__", []),

@@ -23,7 +23,7 @@ def test_engine_equals_reference(arch, mode, layout, lookahead, max_batch):
     refs = reference(arch, layout, lookahead, full, seed % 4)
     # lookahead runs use the pipelined core path (as on CUDA) for two of the three batch sizes
     pipeline = lookahead and mode != "cb" and max_batch != 3
-    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512,
+    cfg = EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512,
                        **engine_settings(mode, layout, lookahead, pipeline=pipeline))
     eng = LLMEngine(model(arch), cfg)
     split = []  # refill_auto: every core step of 2+ items runs as two launches, as auto splits one

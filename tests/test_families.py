@@ -68,7 +68,7 @@ def test_engine_equals_reference(name, crit, mode, layout, lookahead, max_batch)
     full = mode == "cb" or layout == "full_depth"
     want = reference(name, crit, layout, lookahead, full, seed % 3)
     eng = LLMEngine(model(name), EngineConfig(
-        max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512, kv_layout=layout,
+        max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512, kv_layout=layout,
         exit_criterion=crit, exit_threshold=CRITERIA[name][crit], lookahead=lookahead,
         pipeline=lookahead and mode != "cb" and max_batch != 3, async_scheduling=True, **MODES[mode]))
     seqs = run_staggered(eng, random_requests(seed % 3), seed, join=0.3)

@@ -158,7 +158,7 @@ def test_engine_equals_reference(arch, mode, layout, lookahead, max_batch):
     seed = stable_seed(arch, mode, layout, lookahead, max_batch)
     refs = reference(arch, layout, lookahead, mode == "cb", seed % 4, **SHAPE)
     pipeline = lookahead and mode != "cb" and max_batch != 3
-    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512,
+    cfg = EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512,
                        **engine_settings(mode, layout, lookahead, pipeline=pipeline))
     eng = LLMEngine(model(arch), cfg)
     assert eng.config.chunked_prefill is False and eng.config.enable_prefix_caching is False

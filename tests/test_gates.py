@@ -48,7 +48,7 @@ def test_engine_equals_reference(arch, criterion, mode, layout, max_batch):
     want = refs(arch, criterion, layout, seed % 3)
     pipeline = criterion == "lookahead_gate" and max_batch != 3  # the lookahead head pipelines like lookahead
     eng = LLMEngine(gated(arch), EngineConfig(
-        max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512, kv_layout=layout, exit_criterion=criterion,
+        max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512, kv_layout=layout, exit_criterion=criterion,
         exit_threshold=THRESHOLDS[criterion], pipeline=pipeline, **MODES_KBIG[mode]))
     seqs = run_staggered(eng, random_requests(seed % 3), seed, join=0.3)
     for i, (s, r) in enumerate(zip(seqs, want)):

@@ -167,7 +167,7 @@ SYNC_SETTINGS = {  # name: (engine settings, request params, model extras)
     "lookahead-pipeline": (engine_settings("norefill", "shared", True), {}),
     "cb": (engine_settings("cb", "shared", False), {}),
     "separate-prefill": (dict(engine_settings("refill_k1", "last_exited", False), prefill="separate"), {}),
-    "chunked": (dict(engine_settings("refill_k1", "last_exited", False), max_prefill_tokens=8, chunked_prefill=True),
+    "chunked": (dict(engine_settings("refill_k1", "last_exited", False), max_num_batched_tokens=8, chunked_prefill=True),
                 {}),
     "preloop": (dict(kv_layout="last_exited", exit_criterion="preloop", exit_threshold=0.5), {}),
     "sampled": (engine_settings("refill_k1", "last_exited", False), dict(temperature=0.8, top_k=20)),
@@ -327,7 +327,7 @@ def test_engine_equals_reference_through_graph_replay(arch, mode, layout, lookah
     max_batch = (3, 8)[seed % 2]
     full = mode == "cb" or layout == "full_depth"
     refs = reference(arch, layout, lookahead, full, seed % 4)
-    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512,
+    cfg = EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512,
                        **engine_settings(mode, layout, lookahead))
     eng = LLMEngine(model(arch), cfg)
     graphs = graph_replay.install(eng)
@@ -357,7 +357,7 @@ def test_launches_with_prompt_chunks_replay_graphs_and_equal_reference(arch, mod
     full = mode == "cb" or layout == "full_depth"
     refs = reference(arch, layout, lookahead, full, seed % 4, **shape)
     eng = LLMEngine(fresh_model(arch).requires_grad_(False),
-                    EngineConfig(max_batch_size=3, max_prefill_tokens=8, kv_cache_tokens=512, block_size=4,
+                    EngineConfig(max_batch_size=3, max_num_batched_tokens=8, kv_cache_tokens=512, block_size=4,
                                  attention_backend="paged", **engine_settings(mode, layout, lookahead)))
     graphs = graph_replay.install(eng)
     calls = Counter()

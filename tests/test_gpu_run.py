@@ -27,7 +27,7 @@ from infer.engine.sequence import Stage
 from helpers import ARCHS, MODES_AUTO, engine_settings, fresh_model, grid, model, random_requests, reference, \
     run_staggered, stable_seed
 
-SMALL = dict(kv_cache_tokens=128, max_batch_size=2, block_size=16, max_prefill_tokens=32)
+SMALL = dict(kv_cache_tokens=128, max_batch_size=2, block_size=16, max_num_batched_tokens=32)
 
 
 def _serve(eng_or_llm, n=3) -> None:
@@ -275,7 +275,7 @@ def test_paged_graphs_are_captured_at_start_up():
     """attention_backend="paged" switches the runner before the engine captures: the graphs captured at
     start-up run paged (no recapture, no SDPA graph in the pool)."""
     with use_stand_in():  # (a budget of 8 tokens: few keys of launches with prompt chunks)
-        eng = LLMEngine(model("ouro-tiny"), EngineConfig(attention_backend="paged", **{**SMALL, "max_prefill_tokens": 8}))
+        eng = LLMEngine(model("ouro-tiny"), EngineConfig(attention_backend="paged", **{**SMALL, "max_num_batched_tokens": 8}))
     assert eng.runner.batch_state.paged and eng.graph_capture["captured"] > 0
     ops = {n.target for gm, _ in eng.runner.graphs.graphs.values() for n in gm.graph.nodes if n.op == "call_function"}
     assert not any("scaled_dot_product" in str(t) for t in ops), "an SDPA graph was captured"
@@ -295,7 +295,7 @@ def test_engine_equals_reference_with_paged_attention(arch, mode, layout, lookah
     full = mode == "cb" or layout == "full_depth"
     refs = reference(arch, layout, lookahead, full, seed % 4)
     pipeline = lookahead and mode != "cb" and max_batch != 3
-    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=16, kv_cache_tokens=512, attention_backend="paged",
+    cfg = EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=16, kv_cache_tokens=512, attention_backend="paged",
                        **engine_settings(mode, layout, lookahead, pipeline=pipeline))
     eng = LLMEngine(model(arch), cfg)
     assert eng.runner.batch_state.paged
@@ -317,7 +317,7 @@ def test_the_reserve_counts_the_graphs_static_outputs(arch, policy, attention):
     m = fresh_model(arch, max_position=48).requires_grad_(False)
     with use_stand_in():
         eng = LLMEngine(m, EngineConfig(policy=policy, max_batch_size=4, kv_cache_tokens=m.cfg.max_position,
-                                        max_prefill_tokens=8, block_size=8, attention_backend=attention))
+                                        max_num_batched_tokens=8, block_size=8, attention_backend=attention))
     kept = sum(out.numel() * out.element_size() for key, (_, out) in eng.runner.graphs.graphs.items()
                if out is not None and key[0].emits)
     assert kept > 0 and graph_output_bytes(eng.config, m.cfg, m.dtype) == kept

@@ -38,7 +38,7 @@ def checkpoint(arch, root):
 def engine_equals_reference(m, criterion, threshold, seed, r_max_req=None, n=4):
     """Staggered requests through an engine on `m` against the reference decoder; returns the
     non-prefill exit depths seen (so a caller can check they vary)."""
-    eng = LLMEngine(m, EngineConfig(max_batch_size=3, max_prefill_tokens=16, kv_cache_tokens=512,
+    eng = LLMEngine(m, EngineConfig(max_batch_size=3, max_num_batched_tokens=16, kv_cache_tokens=512,
                                     exit_criterion=criterion, exit_threshold=threshold))
     pol = ExitPolicy.from_config(m.cfg, criterion=criterion, threshold=threshold).override(r_max=r_max_req)
     reqs = random_requests(seed, n=n)

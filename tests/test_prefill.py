@@ -31,7 +31,7 @@ def test_mixed_prefill_equals_reference(arch, mode, layout, lookahead, max_batch
     full = mode == "cb" or layout == "full_depth"
     refs = reference(arch, layout, lookahead, full, seed % 3, **SHAPE)
     pipeline = lookahead and mode != "cb" and max_batch == 8
-    cfg = EngineConfig(max_batch_size=max_batch, max_prefill_tokens=BUDGET, kv_cache_tokens=1024, trace=True,
+    cfg = EngineConfig(max_batch_size=max_batch, max_num_batched_tokens=BUDGET, kv_cache_tokens=1024, trace=True,
                        **engine_settings(mode, layout, lookahead, pipeline=pipeline))
     eng = LLMEngine(model(arch), cfg)
     outs = outputs(eng, random_requests(seed % 3, **SHAPE), seed)
@@ -57,7 +57,7 @@ def test_mixed_equals_separate_with_logprobs(arch):
     reqs = random_requests(7, n=5, prompt_len=(20, 60), max_new=(2, 6))
     outs = {}
     for prefill in ("mixed", "separate"):
-        eng = LLMEngine(model(arch), EngineConfig(prefill=prefill, max_prefill_tokens=16, max_batch_size=4,
+        eng = LLMEngine(model(arch), EngineConfig(prefill=prefill, max_num_batched_tokens=16, max_batch_size=4,
                                                   exit_threshold=THRESHOLD, kv_cache_tokens=1024))
         seqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True, prompt_logprobs=2))
                 for p, n in reqs]
@@ -77,7 +77,7 @@ def test_budget_and_fifo():
     m = model("ouro-tiny")
     rng = random.Random(11)
     print("seed 11")
-    eng = LLMEngine(m, EngineConfig(max_prefill_tokens=24, max_batch_size=6, exit_threshold=THRESHOLD,
+    eng = LLMEngine(m, EngineConfig(max_num_batched_tokens=24, max_batch_size=6, exit_threshold=THRESHOLD,
                                     kv_cache_tokens=2048, trace=True))
     seqs = [eng.add_request([rng.randrange(1, 256) for _ in range(rng.randint(1, 70))],
                             SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True)) for _ in range(12)]
@@ -91,6 +91,14 @@ def test_budget_and_fifo():
     assert [i for _, i in sorted(admitted)] == sorted(s.seq_id for s in seqs)
     over = [r for r in eng.trace if r["batch"] + r["prompt_tokens"] > 24 and r["batch"] and r["prompt_tokens"]]
     assert not over, over[:3]
+
+
+def test_the_old_budget_name_is_refused_with_the_new_one():
+    """The budget counts a launch's decode items too, so it is vLLM's max_num_batched_tokens; its old
+    name fails with the new one, before anything loads."""
+    with pytest.raises(ParamError, match="max_prefill_tokens is now max_num_batched_tokens"):
+        EngineConfig.from_kwargs({"max_prefill_tokens": 64})
+    assert EngineConfig.from_kwargs({"max_num_batched_tokens": 64}).max_num_batched_tokens == 64
 
 
 def test_shared_refuses_explicit_chunking():
@@ -112,7 +120,7 @@ def test_shared_refuses_explicit_chunking():
 
 def test_abort_mid_prompt_frees_memory():
     m = model("huginn-tiny")
-    eng = LLMEngine(m, EngineConfig(max_prefill_tokens=8, max_batch_size=4, exit_threshold=THRESHOLD,
+    eng = LLMEngine(m, EngineConfig(max_num_batched_tokens=8, max_batch_size=4, exit_threshold=THRESHOLD,
                                     kv_cache_tokens=512))
     a = eng.add_request(list(range(1, 60)), SamplingParams(max_tokens=4, ignore_eos=True))
     b = eng.add_request(list(range(1, 9)), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -133,7 +141,7 @@ def test_preemption_with_chunks_is_exact(mode):
     arch = "ouro-tiny" if mode == "norefill" else "huginn-tiny"
     print("seed 5", arch)
     reqs = random_requests(5, n=6, prompt_len=(6, 20), max_new=(6, 12))
-    base = dict(max_batch_size=8, exit_threshold=THRESHOLD, block_size=4, max_prefill_tokens=12, **MODES[mode])
+    base = dict(max_batch_size=8, exit_threshold=THRESHOLD, block_size=4, max_num_batched_tokens=12, **MODES[mode])
     outs = []
     for pool in (1024, 48):
         eng = LLMEngine(model(arch), EngineConfig(kv_cache_tokens=pool, watermark=0.0, **base))

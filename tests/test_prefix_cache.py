@@ -22,7 +22,7 @@ from helpers import MODES, THRESHOLD, ContentRunner, arrive_or_abort, assert_sam
     exits_vary, fake_postprocess, \
     grid, model, policy, run_staggered, stable_seed, triples
 
-BASE = dict(block_size=4, max_prefill_tokens=12, max_batch_size=8, exit_threshold=THRESHOLD)
+BASE = dict(block_size=4, max_num_batched_tokens=12, max_batch_size=8, exit_threshold=THRESHOLD)
 
 
 def shared_prefix_workload(seed, n=10, max_new=(3, 7)):
@@ -256,7 +256,7 @@ def test_scheduler_invariants_with_sharing(seed):
     print("seed", seed, SCHED[seed])
     tiny = tiny_model("ouro-tiny").cfg
     cfg = EngineConfig(policy=policy, refill=refill, min_coda_batch=rng.choice([1, 3]), max_batch_size=batch,
-                       block_size=4, watermark=0.05, max_prefill_tokens=rng.choice([6, 16]),
+                       block_size=4, watermark=0.05, max_num_batched_tokens=rng.choice([6, 16]),
                        reserve_kv=reserve).resolve(tiny)
     bm = BlockManager(20, 4, cfg.max_batch_size)
     sch = Scheduler(cfg, bm, 64, pipeline=pipelined, swap_blocks=rng.choice([6, 64]), r_full=tiny.r_max)

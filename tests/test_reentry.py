@@ -21,7 +21,7 @@ from helpers import ARCHS, assert_same, engine_settings, model, random_requests,
 
 
 def _engine(arch, mode, layout="last_exited", lookahead=False, reentry=True, **kw):
-    return LLMEngine(model(arch), EngineConfig(**{"max_batch_size": 4, "max_prefill_tokens": 16,
+    return LLMEngine(model(arch), EngineConfig(**{"max_batch_size": 4, "max_num_batched_tokens": 16,
                                                   "kv_cache_tokens": 512,
                                                   **engine_settings(mode, layout, lookahead, async_scheduling=reentry),
                                                   **kw}))

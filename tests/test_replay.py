@@ -118,7 +118,7 @@ def test_sim_replays_a_recording(tmp_path):
     RP.write(path, model="ouro-tiny", policy=rec["policy"], model_r_min=1, kv_layout=rec["kv_layout"],
              workloads={"alpaca": {"scale": 0.05, "seed": 1, "requests": rec["requests"]}})
     sim_main(["--model", "ouro-1.4b", "--replay-exits", str(path), "--replay-threshold", "0.55", "--ks", "1",
-              "--kv-cache-tokens", "32768", "--max-prefill-tokens", "512",
+              "--kv-cache-tokens", "32768", "--max-num-batched-tokens", "512",
               "--host-json", "none", "--out", str(tmp_path / "sim")])
     out = json.loads(next((tmp_path / "sim").glob("sim_*.json")).read_text())
     want = RP.replay_depths(RP.load(path), "alpaca", ExitPolicy(rec["policy"].criterion, 0.55, 1, 4))

@@ -47,7 +47,7 @@ def _direct_counts(cfg) -> list[tuple]:
     directly: a decode-only launch its `body`, a launch with chunks all of `run` but the upload.
     Returns (stage, decode items, chunks, ops)."""
     model = dummy_model(cfg, torch.float32, "cpu")
-    eng = LLMEngine(model, EngineConfig(max_batch_size=4, max_prefill_tokens=32, kv_cache_tokens=4096,
+    eng = LLMEngine(model, EngineConfig(max_batch_size=4, max_num_batched_tokens=32, kv_cache_tokens=4096,
                                         policy="cdb", refill=True, min_coda_batch=1))
     r, m = eng.runner, _Direct()
     out = []
@@ -116,7 +116,7 @@ def test_counts_follow_the_structure_not_the_width():
 def _engine(cost, requests, graphs=True, **kw):
     depths = depths_from_distribution(binomial_depths(CFG.r_max, 2.5), requests, 0)
     # (K=1, not auto: the same launches whatever they cost)
-    ecfg = EngineConfig(**{"max_batch_size": 8, "max_prefill_tokens": 32, "kv_cache_tokens": 8192, **SIM_EXITS,
+    ecfg = EngineConfig(**{"max_batch_size": 8, "max_num_batched_tokens": 32, "kv_cache_tokens": 8192, **SIM_EXITS,
                            "r_min": 1, "refill": True, "min_coda_batch": 1, **kw})
     return LLMEngine(SimModel(CFG), ecfg, runner_cls=partial(SimRunner, cost=cost, depths=depths, overlap=True,
                                                              graphs=graphs))
@@ -172,7 +172,7 @@ def test_an_eager_chunk_core_step_is_charged_more_than_a_graphed_one():
 def _mode(cost, reqs, name="cdb_refill_k1", **mode):
     depths = depths_from_distribution(binomial_depths(CFG.r_max, 2.5), reqs, 0)
     return simulate_mode(CFG, reqs, {"name": name, "policy": "cdb", "refill": True, "min_coda_batch": 1, **mode},
-                         cost, depths, max_batch_size=8, kv_cache_tokens=8192, max_prefill_tokens=64)
+                         cost, depths, max_batch_size=8, kv_cache_tokens=8192, max_num_batched_tokens=64)
 
 
 @pytest.mark.parametrize("mode", [{}, {"policy": "cb"}])

@@ -35,7 +35,7 @@ def test_speculation_equals_reference(arch, mode, layout, lookahead, k):
     full = mode == "cb" or layout == "full_depth"
     want = reference(arch, layout, lookahead, full, seed % 4, max_new=(4, 12))
     draft = 1 + seed % 2  # draft depth 1 or 2 (r_max is 4)
-    eng = LLMEngine(model(arch), EngineConfig(max_batch_size=4, max_prefill_tokens=16, kv_cache_tokens=512,
+    eng = LLMEngine(model(arch), EngineConfig(max_batch_size=4, max_num_batched_tokens=16, kv_cache_tokens=512,
                                               speculative_tokens=k, draft_depth=draft,
                                               **engine_settings(mode, layout, lookahead, async_scheduling=False)))
     seqs = run_staggered(eng, random_requests(seed % 4, max_new=(4, 12)), seed, join=0.3)
@@ -86,7 +86,7 @@ def test_speculation_with_prefix_caching_is_exact(arch):
     head = [rng.randrange(1, 256) for _ in range(9)]
     reqs = [(head[:rng.randint(4, 9)] + [rng.randrange(1, 256) for _ in range(rng.randint(0, 3))], rng.randint(4, 9))
             for _ in range(6)]
-    base = dict(block_size=4, max_prefill_tokens=12, max_batch_size=4, exit_threshold=THRESHOLD,
+    base = dict(block_size=4, max_num_batched_tokens=12, max_batch_size=4, exit_threshold=THRESHOLD,
                 kv_cache_tokens=512)
     want = triples(run_staggered(LLMEngine(model(arch), EngineConfig(enable_prefix_caching=False, **base)), reqs, 3))
     eng = LLMEngine(model(arch), EngineConfig(speculative_tokens=4, **base))
@@ -213,7 +213,7 @@ def test_scheduler_invariants_with_speculation(seed):
     print("seed", seed, policy, refill)
     tiny = tiny_model("ouro-tiny").cfg
     cfg = EngineConfig(policy=policy, refill=refill, max_batch_size=6, block_size=4, watermark=0.05,
-                       max_prefill_tokens=rng.choice([6, 16]), speculative_tokens=rng.choice([2, 4, 8]),
+                       max_num_batched_tokens=rng.choice([6, 16]), speculative_tokens=rng.choice([2, 4, 8]),
                        speculative_max_batch=6).resolve(tiny)
     bm = BlockManager(20, 4, cfg.max_batch_size)
     sch = Scheduler(cfg, bm, 64, swap_blocks=rng.choice([6, 64]), r_full=tiny.r_max)

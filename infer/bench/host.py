@@ -109,7 +109,7 @@ def measure(batch: int, policy: dict, steps: int, seed: int = 0, temperature: fl
     ctx = contexts(batch, seed, steps + 2)  # every request outlives the timed steps: full batches
     # prompts in prefill launches of their own: the no-op model has no math for a mixed launch, and
     # the timed steps are pure decode stages either way (every request is admitted before timing)
-    cfg = EngineConfig(max_batch_size=batch, max_prefill_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
+    cfg = EngineConfig(max_batch_size=batch, max_num_batched_tokens=8192, kv_cache_tokens=sum(ctx) + (steps + 17) * batch,
                        prefill="separate", async_scheduling=async_scheduling, **policy)
     eng = LLMEngine(BenchModel(), cfg, tokenizer=tokenizer, runner_cls=NoopRunner)
     if count_attention:

@@ -27,8 +27,8 @@ from looplm.presets import paper_config, tiny_model
 
 # prefill settings compared: the old separate stage, a whole prompt riding in the decode launches,
 # and chunks of at most the budget
-SETTINGS = {"separate": dict(prefill="separate", max_prefill_tokens=8192),
-            "mixed_whole": dict(prefill="mixed", chunked_prefill=False, max_prefill_tokens=8192),
+SETTINGS = {"separate": dict(prefill="separate", max_num_batched_tokens=8192),
+            "mixed_whole": dict(prefill="mixed", chunked_prefill=False, max_num_batched_tokens=8192),
             "mixed_chunked": dict(prefill="mixed", chunked_prefill=True)}
 
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="ouro-1.4b", help="sim: a paper model")
     p.add_argument("--running", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=4096)
-    p.add_argument("--budget", type=int, default=512, help="max_prefill_tokens of the chunked setting")
+    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens of the chunked setting")
     p.add_argument("--policy", default="cdb")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, st in SETTINGS.items():
         kw = dict(policy=a.policy, max_batch_size=a.running + 1, kv_layout="last_exited", trace=False, **st)
         if name == "mixed_chunked":
-            kw["max_prefill_tokens"] = a.budget
+            kw["max_num_batched_tokens"] = a.budget
         if a.engine == "sim":
             from infer.sim.cost import RooflineCost, h100_kv_tokens
             from infer.sim.dispatch import Dispatch

@@ -9,7 +9,7 @@ position: the first token, at full depth. Under CB the whole path is one fused l
 
 Admission (`admit`, called when a prelude or, under CB, a fused launch is formed): the sequences
 whose earlier chunk is done come first (they hold a slot and their blocks), then the waiting queue in
-FIFO order. Every launch holds at most `max_prefill_tokens` items: the running decode items (at most
+FIFO order. Every launch holds at most `max_num_batched_tokens` items: the running decode items (at most
 one per running sequence) plus the prompt tokens in flight, so a new chunk gets what is left. A
 prompt longer than that is split (`chunked`: the depth-indexed layouts, where a chunk reads the
 earlier chunks' K/V at its own depth slot) or admitted whole (`shared`, or chunking off). When

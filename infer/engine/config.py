@@ -47,9 +47,10 @@ class EngineConfig:
     scheduling_policy: str = _f("fcfs", "fcfs: requests are admitted in arrival order; priority (vLLM's): by each "
                                         "request's priority (lower first, ties by arrival), and preemption takes the "
                                         "worst priority first")
-    max_prefill_tokens: int = _f(2048, "token budget per launch (vLLM's max_num_batched_tokens). mixed prefill: "
-                                       "prompt tokens + decode items per launch, longer prompts are chunked where "
-                                       "exact; separate: prompt tokens per prefill batch (a longer prompt runs alone)")
+    max_num_batched_tokens: int = _f(2048, "token budget per launch, as vLLM's: mixed prefill: "
+                                           "prompt tokens + decode items per launch, longer prompts are chunked where "
+                                           "exact; separate: prompt tokens per prefill batch (a longer prompt runs "
+                                           "alone)")
     prefill: str = _f("mixed", "mixed: prompts (or chunks) ride in the decode launches (prelude / core / coda; CB: "
                                "the fused iteration); separate: whole prompts in prefill launches of their own")
     chunked_prefill: bool | None = _f(None, "mixed prefill: split prompts longer than the budget into chunks; "
@@ -141,7 +142,7 @@ class EngineConfig:
         if self.min_coda_batch != "auto" and (not isinstance(self.min_coda_batch, int) or self.min_coda_batch < 1):
             raise ParamError("min_coda_batch", f"min_coda_batch must be an integer >= 1 or 'auto', got "
                                                f"{self.min_coda_batch!r}")
-        for name in ("max_batch_size", "max_prefill_tokens", "block_size", "speculative_max_batch"):
+        for name in ("max_batch_size", "max_num_batched_tokens", "block_size", "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ParamError(name, f"{name} must be an integer >= 1, got {v!r}")
@@ -191,6 +192,9 @@ class EngineConfig:
     def from_kwargs(cls, kw: dict) -> EngineConfig:
         """A config from keyword arguments; an unknown name is a ParamError naming it."""
         unknown = sorted(set(kw) - set(cls.field_names()))
+        if "max_prefill_tokens" in unknown:  # (its name until it was seen to count decode items too)
+            raise ParamError("max_prefill_tokens", "max_prefill_tokens is now max_num_batched_tokens (vLLM's name: "
+                                                   "the budget counts a launch's decode items too)")
         if unknown:
             raise ParamError(unknown[0], f"unknown engine setting {unknown[0]!r}; known: {', '.join(cls.field_names())}")
         return cls(**kw)
@@ -237,13 +241,13 @@ class EngineConfig:
 
     def max_launch_tokens(self) -> int:
         """The most tokens one launch of a resolved config can carry: what the CUDA memory budget
-        (memory.cuda_budget) must measure. `max_prefill_tokens` is the per-launch budget (prompt
+        (memory.cuda_budget) must measure. `max_num_batched_tokens` is the per-launch budget (prompt
         tokens + decode items under mixed prefill, prompt tokens of a prefill launch under
         separate), and admission keeps to it, with one exception each (chunks.py, scheduler.py):
         a prompt that does not fit is admitted alone rather than never, whole where prompts are
         not chunked (at most max_model_len - 1 tokens, beside the decode items under mixed
         prefill) and as one block's chunk where they are."""
-        budget, decode = self.max_prefill_tokens, self.max_batch_size if self.prefill == "mixed" else 0
+        budget, decode = self.max_num_batched_tokens, self.max_batch_size if self.prefill == "mixed" else 0
         alone = self.block_size if self.chunked_prefill else self.max_model_len - 1
         return max(budget, decode + alone)
 

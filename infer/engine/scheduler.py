@@ -18,7 +18,7 @@ decode token, or under mixed prefill a prompt chunk. `schedule()` picks the next
   their coda, and a coda held until no core work is left is the cohort's schedule (auto_coda.py).
 One ladder (`_policy`) serves both prefill modes; they differ in one step, `_prefill`:
 - `prefill="separate"`: whole prompts run in prefill launches of their own, of at most
-  `max_prefill_tokens` prompt tokens (a longer prompt is admitted alone).
+  `max_num_batched_tokens` prompt tokens (a longer prompt is admitted alone).
 - `prefill="mixed"` (the default): prompt chunks (chunks.py: the admission rule and the token
   budget) are admitted into the prelude queue right before a prelude launch (CB: the fused
   iteration), where the separate prefill would have run. A chunk is then an item of the same
@@ -139,7 +139,7 @@ class Scheduler:
         # the decode queue of each stage (built once: the queues are only ever changed in place)
         self.queues = {PRELUDE: self.prelude_q, CORE: self.core_q, CODA: self.coda_q}
         # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
-        self.chunker = (Chunker(cfg.max_prefill_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
+        self.chunker = (Chunker(cfg.max_num_batched_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
                                 cfg.reserve_kv, cfg.enable_prefix_caching) if cfg.prefill == "mixed" else None)
         self.preemption = Preemption(blocks, self.queues, blocks.num_blocks if swap_blocks is None else swap_blocks)
         # preempted sequences (preemption.py's containers, changed in place only)
@@ -335,7 +335,7 @@ class Scheduler:
         while self.waiting and not self.swapped and self.num_running + len(batch) < self.cfg.max_batch_size:
             seq = self.waiting[0]
             n = len(seq.prompt_ids)
-            if batch and tokens + n > self.cfg.max_prefill_tokens:
+            if batch and tokens + n > self.cfg.max_num_batched_tokens:
                 break
             need = seq.reserved_tokens(self.max_model_len) if self.cfg.reserve_kv else n
             if not self.blocks.can_allocate(need, self._keep_free(len(batch))):

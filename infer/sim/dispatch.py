@@ -190,7 +190,7 @@ def _engine(cfg, settings: dict):
     from infer.engine.llm_engine import LLMEngine
     from looplm.presets import dummy_model
     model = dummy_model(count_config(cfg), torch.float32, "cpu")
-    base = dict(max_batch_size=4, max_prefill_tokens=32, kv_cache_tokens=4096, seed=0)
+    base = dict(max_batch_size=4, max_num_batched_tokens=32, kv_cache_tokens=4096, seed=0)
     return LLMEngine(model, EngineConfig(**{**base, **settings}))
 
 
