@@ -46,15 +46,17 @@ def test_cpu_dry_run_writes_the_whole_json(tmp_path):
     are written where the simulator reads them; each mode (the lookahead pipeline on and off,
     min_coda_batch="auto", SDPA beside the default attention) has its speedup over CB with an
     interval, exact work counts and the memory reserve; the CUDA-only numbers are null with their
-    reason; the JSON was replaced atomically (no temporary file left)."""
-    p = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--small", "--out",
-                        str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    reason; the JSON was replaced atomically (no temporary file left). Ouro runs 6 requests (--small's
+    default is 12): a batch of 4 and 2 refills, each mode's passes half as long."""
+    p = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--small", "--num-requests",
+                        "6", "--out", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "parity_float64 done" in p.stdout and "wrote" in p.stdout  # progress and the summary are printed
     assert [f.name for f in tmp_path.iterdir()] == ["gpu_check.json"]
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["complete"] and doc["exit_code"] == 0 and doc["device_type"] == "cpu" and doc["skipped"] == []
     assert doc["sections_done"] == list(G.SECTIONS) and doc["terminated"] is None and doc["in_flight"] is None
+    assert doc["ouro_1p4b"]["workload"]["num_requests"] == 6 > G.SMALL_BASE["max_batch_size"]  # refills happen
     assert {r["what"] for r in doc["ran"]} >= set(G.SECTIONS) | {f"ouro_1p4b/{m['name']}" for m in G.MODES}
     assert set(doc["nulls"]) >= {"idle", "dispatch.replay_us"} and "graph_capture" not in doc["nulls"]
 
@@ -213,9 +215,18 @@ def test_each_mode_is_guarded_its_error_saved_as_it_ends_and_huginn_skipped(tmp_
 def test_past_the_budget_a_mode_keeps_min_repeats_and_the_rest_is_skipped(tmp_path, quiet_threads, monkeypatch):
     """A mode that starts runs MIN_REPEATS timed passes whatever the budget; past it, its extra
     passes and the modes after it are skipped, each named with why; Huginn, estimated from Ouro's
-    mode, does not fit either."""
+    mode, does not fit either. The script's clock is a fake one that moves 1 s per pass of the engine
+    (and not otherwise): how fast this machine runs cannot move a guard's decision."""
     monkeypatch.setitem(G.PRIORS["small"], "ouro_1p4b", 0.0)  # (the first mode starts on a 2 s budget)
     monkeypatch.setattr(G, "MODES", [m for m in G.MODES if m["name"] in ("cdb_refill_k1", "cb")][::-1])
+    clock, real_run_engine = {"s": 0.0}, G.run_engine
+
+    def run_engine_1s(*a, **k):  # traced, instrumented, then timed passes: past the budget at the third
+        clock["s"] += 1.0
+        return real_run_engine(*a, **k)
+
+    monkeypatch.setattr(G, "run_engine", run_engine_1s)
+    monkeypatch.setattr(G, "time", SimpleNamespace(perf_counter=lambda: clock["s"]))
     doc = G.main(["--device", "cpu", "--small", "--budget-s", "2", "--num-requests", "4", "--sections",
                   "ouro_1p4b,huginn_3p5b", "--out", str(tmp_path)])
     b = doc["ouro_1p4b"]
@@ -228,7 +239,7 @@ def test_past_the_budget_a_mode_keeps_min_repeats_and_the_rest_is_skipped(tmp_pa
 
 
 def _engine(model, **kw):
-    return LLMEngine(model, EngineConfig(max_batch_size=2, kv_cache_tokens=64, max_prefill_tokens=16, **kw))
+    return LLMEngine(model, EngineConfig(max_batch_size=2, kv_cache_tokens=64, max_num_batched_tokens=16, **kw))
 
 
 def test_autograd_problems_names_trainable_weights_and_graph_state():
