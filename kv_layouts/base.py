@@ -3,8 +3,9 @@
 Storage is addressed by *rows*: one row per token position of a sequence, handed out by the
 caller's allocator (the engine's block manager, or the reference decoder's range). Row
 `num_rows` is a scratch row: padded batch items write there and nobody reads it, so shapes stay
-static. Non-looped layers (prelude, coda) keep one slot per row; how the core layers map
-`(loop step, row)` to a slot is what a layout decides: `depth_slots(cfg)` slots per row.
+static. Non-looped layers (prelude, coda) keep one copy per row; how the core layers map
+`(loop step, row)` to a depth slot is what a layout decides: `depth_slots(cfg)` depth slots per row
+(`num_depth_slots`; the engine's plain "slot" is a sequence's state slot, not this).
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ class KVLayout:
             raise ValueError(f"a KV layout needs at least one row, got {num_rows}")
         self.cfg, self.num_rows = cfg, num_rows
         self.scratch_row = num_rows
-        self.slots = self.depth_slots(cfg)
+        self.num_depth_slots = self.depth_slots(cfg)
         R, KV, D = num_rows + 1, cfg.num_kv_heads, cfg.head_dim
         n_plain = cfg.n_prelude + cfg.n_coda
         # [layer, row, kv_head, head_dim] and [layer, depth_slot * rows, kv_head, head_dim]
         self.k_plain = torch.zeros(n_plain, R, KV, D, dtype=dtype, device=device)
         self.v_plain = torch.zeros_like(self.k_plain)
-        self.k_core = torch.zeros(cfg.n_core, self.slots * R, KV, D, dtype=dtype, device=device)
+        self.k_core = torch.zeros(cfg.n_core, self.num_depth_slots * R, KV, D, dtype=dtype, device=device)
         self.v_core = torch.zeros_like(self.k_core)
 
     def nbytes(self) -> int:
@@ -60,26 +61,26 @@ class KVLayout:
         return self.k_plain[i], self.v_plain[i]
 
     @classmethod
-    def fill_slots(cls, cfg: LoopConfig, depth: int) -> int:
+    def fill_depth_slots(cls, cfg: LoopConfig, depth: int) -> int:
         """Core depth slots that `on_exit` fills for a token exiting at `depth` (the simulator
         prices these copies): none by default."""
         return 0
 
-    def slot_of(self, steps: torch.Tensor) -> torch.Tensor:
+    def depth_slot_of(self, steps: torch.Tensor) -> torch.Tensor:
         """The 0-based depth slot that core loop `steps` (1-based) write and read: step s -> slot
         min(s, slots) - 1 (depth-indexed: s - 1; one shared slot: 0; first_then_shared: min(s, S) - 1)."""
-        return (steps - 1).clamp(0, self.slots - 1)
+        return (steps - 1).clamp(0, self.num_depth_slots - 1)
 
     def index(self, stage: str, step: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Flat slot index of `rows` for a token at loop `step` (1-based; ignored outside the core).
+        """Flat row index (depth slot major) of `rows` for a token at loop `step` (1-based; ignored outside the core).
         `step` broadcasts against `rows`."""
-        if stage != "core" or self.slots == 1:
+        if stage != "core" or self.num_depth_slots == 1:
             return rows
-        return self.slot_of(step) * (self.num_rows + 1) + rows
+        return self.depth_slot_of(step) * (self.num_rows + 1) + rows
 
     def _core_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every depth slot of `rows` in the core storage, depth slot major."""
-        slot = torch.arange(self.slots, device=rows.device)[:, None] * (self.num_rows + 1)
+        slot = torch.arange(self.num_depth_slots, device=rows.device)[:, None] * (self.num_rows + 1)
         return (slot + rows[None, :]).reshape(-1)
 
     def read_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ class DepthIndexedKV(KVLayout):
         return cfg.r_max
 
     @classmethod
-    def fill_slots(cls, cfg, depth: int) -> int:
+    def fill_depth_slots(cls, cfg, depth: int) -> int:
         return max(0, cls.depth_slots(cfg) - depth)
 
     def on_exit(self, rows: torch.Tensor, depths: torch.Tensor) -> None:
@@ -33,7 +33,7 @@ class DepthIndexedKV(KVLayout):
         slot) pair is a copy, the pairs with nothing to fill (depth slots <= the exit depth, and
         padding, whose depth is 0) copy the scratch row onto itself."""
         R = self.num_rows + 1
-        slot = torch.arange(1, self.slots + 1, device=rows.device)  # 1-based depth slots
+        slot = torch.arange(1, self.num_depth_slots + 1, device=rows.device)  # 1-based depth slots
         fill = (slot[None, :] > depths[:, None]) & (depths[:, None] >= 1)  # [n, slots]: the skipped slots
         scratch = torch.full_like(rows, self.scratch_row)[:, None]
         # a filled slot k > d has d < slots, so the source is d's own private slot d

@@ -138,11 +138,11 @@ def test_fill_copies_the_exit_depth_into_skipped_private_slots():
     assert k[:, 1].tolist() == [1, 2, 2]  # exited at 2: slot 3 holds depth 2
     assert k[:, 2].tolist() == k[:, 3].tolist() == k[:, 4].tolist() == [1, 2, 3]  # d >= S: untouched
     steps = torch.arange(1, 7)
-    assert lay.slot_of(steps).tolist() == [0, 1, 2, 2, 2, 2]
+    assert lay.depth_slot_of(steps).tolist() == [0, 1, 2, 2, 2, 2]
     assert lay.index("core", steps, torch.full_like(steps, 4)).tolist() == [4, R + 4] + [2 * R + 4] * 4
-    assert [layout_class(f"{FTS}:3").fill_slots(m.cfg, d) for d in range(1, 7)] == [2, 1, 0, 0, 0, 0]
-    assert [layout_class("last_exited").fill_slots(m.cfg, d) for d in range(1, 7)] == [5, 4, 3, 2, 1, 0]
-    assert [layout_class("shared").fill_slots(m.cfg, d) for d in (1, 6)] == [0, 0]
+    assert [layout_class(f"{FTS}:3").fill_depth_slots(m.cfg, d) for d in range(1, 7)] == [2, 1, 0, 0, 0, 0]
+    assert [layout_class("last_exited").fill_depth_slots(m.cfg, d) for d in range(1, 7)] == [5, 4, 3, 2, 1, 0]
+    assert [layout_class("shared").fill_depth_slots(m.cfg, d) for d in (1, 6)] == [0, 0]
 
 
 # ------------------------------------------------------------------------------- the engine

@@ -213,7 +213,7 @@ class ModelRunner:
             # depth-indexed core step). Context lengths are no shape (stages.paged_mask); speculative
             # stages never run paged
             sizes = set(self.launch_sizes())
-            bs.flex = stages.compile_paged_flex(len(sizes) * len({1, self.layout.slots}))
+            bs.flex = stages.compile_paged_flex(len(sizes) * len({1, self.layout.num_depth_slots}))
         bs.invalidate_all()  # re-upload every table at its next stage
         graphs = self.graphs
         if graphs is None or not graphs.graphs:

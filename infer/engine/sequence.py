@@ -100,7 +100,9 @@ class Sequence:
     # the BlockManager sets it with every table change, so that the growth check after each token
     # is one comparison instead of three lengths (scheduler.postprocess)
     room: int = 0
-    slot: int = -1  # row of the runner's per-sequence state buffers
+    # row of the runner's per-sequence state buffers ("slot" alone means this; a KV layout's copies of
+    # a row per loop depth are its "depth slots")
+    slot: int = -1
     # ---- the scheduler's state (continued)
     step: int = 0  # loop steps done by the current decode token (or by the prompt chunk in flight)
     prefilled: int = 0  # mixed prefill: prompt positions whose KV is complete (chunks.py)

@@ -141,9 +141,9 @@ class KVAttention:
                                                    v.transpose(0, 1)[None], attn_mask=self.mask, enable_gqa=gqa)
                 return y[0].transpose(0, 1)
             if b.paged is not None:
-                core = stage == "core" and lay.slots > 1
-                n_slots = lay.slots if core else 1
-                depth = lay.slot_of(steps) if core else torch.zeros_like(steps)
+                core = stage == "core" and lay.num_depth_slots > 1
+                n_slots = lay.num_depth_slots if core else 1
+                depth = lay.depth_slot_of(steps) if core else torch.zeros_like(steps)
                 key = (n_slots, self.step)  # one mask per stage and depth (fused: per loop step)
                 if key not in self._masks:
                     self._masks[key] = paged_mask(b.paged, b.positions, depth, n_slots, kc.shape[0] // n_slots,

@@ -31,7 +31,7 @@ class Call:
     context: int  # tokens read (decode: sum of the items' contexts; prefill: prompt tokens)
     context_sq: int = 0  # prefill: sum of squared prompt lengths (causal attention)
     r_max: int = 0  # fused: loop steps
-    filled: int = 0  # coda: depth slots filled on exit (sum of the layout's fill_slots over the tokens)
+    filled: int = 0  # coda: depth slots filled on exit (sum of the layout's fill_depth_slots over the tokens)
     rows_sdpa: int = 0  # decode: padded batch x bucketed longest context (the SDPA path's gather)
     rows_paged: int = 0  # decode: whole blocks of each item's context (a paged kernel)
     # mixed launches (prompt chunks riding along): their tokens, the context rows they read (once per

@@ -126,7 +126,7 @@ class SimRunner:
         self.pad_pow2, self.max_batch_size = pad_pow2, max_batch_size
         self.cost, self.depths = cost, depths
         self.block_bytes = blocks.block_size * layout_class(kv_layout).bytes_per_row(model.cfg, model.dtype)
-        self.fill_slots = layout_class(kv_layout).fill_slots  # (cfg, exit depth) -> slots its on_exit copies
+        self.fill_depth_slots = layout_class(kv_layout).fill_depth_slots  # (cfg, exit depth) -> slots its on_exit copies
         self.slot_bytes = state_slot_bytes(model, criterion)
         # full depth (criterion none): a core step has no scores, so the host reads none (ModelRunner._core)
         self.scores = criterion != "none"
@@ -241,7 +241,7 @@ class SimRunner:
             lens = [len(s.prompt_ids) for s in seqs]
             c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
         else:
-            filled = sum(self.fill_slots(self.cfg, s.step) for s in seqs) if work.stage is Stage.CODA else 0
+            filled = sum(self.fill_depth_slots(self.cfg, s.step) for s in seqs) if work.stage is Stage.CODA else 0
             ctx = [s.num_tokens for s in seqs]
             bs = self.blocks.block_size
             # the rows the SDPA path gathers per item: the longest context, bucketed as on CUDA
@@ -345,7 +345,7 @@ class SimRunner:
             idx = launch.items
             ctx = [plan.pos[i] + 1 for i in idx]
             last = launch.stage is Stage.CODA and launch.phase == "verify"
-            filled = sum(self.fill_slots(self.cfg, exit_at[i]) for i in idx) if last else 0
+            filled = sum(self.fill_depth_slots(self.cfg, exit_at[i]) for i in idx) if last else 0
             n = len(idx)
             t = self.cost(Call(launch.stage, n, n, n, sum(ctx), filled=filled, rows_sdpa=n * max(ctx),
                                rows_paged=sum(-(-x // bs) * bs for x in ctx)))
