@@ -77,10 +77,11 @@ def test_wall_time_waits_for_the_predicted_time_and_matches_the_simulator():
     predicted = eng.runner.clock
     assert predicted > 0.1  # enough device time to see the waits
     # it waited for the device (never less wall time than predicted) by sleeping, and never slept more than
-    # the device would have taken; how much the host adds on top depends on the machine's load (a benchmark's
-    # question: infer.bench --device emulated-h100 reports wall_over_predicted)
+    # the device would have taken. How much of the wait the host's own time covers instead depends on the
+    # machine's load (a benchmark's question: infer.bench --device emulated-h100 reports wall_over_predicted),
+    # so the share slept is not asserted: a busy machine slept 0.46 of it once
     assert wall >= predicted * 0.999, (wall, predicted)
-    assert 0.5 * predicted < eng.runner.waited <= predicted * (1 + 1e-9) and cpu < wall
+    assert 0 < eng.runner.waited <= predicted * (1 + 1e-9) and cpu < wall
     # the same run on the simulator's virtual clock, host and device in series and the CPU path's
     # settings (the emulated device runs them): the same predicted seconds and depths
     depths = depths_from_distribution(binomial_depths(cfg.r_max, 2.5), reqs, 0)
