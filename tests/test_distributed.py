@@ -297,8 +297,10 @@ def test_replica_scaling_reads_cpu_per_part():
 
 
 def test_replica_scaling_samples_steady_state_cores():
-    """The sampler sees a process that spins in steady state (about one core), the machine's busy
-    cores include it, and `steady` counts the tokens streamed inside the middle half only."""
+    """The sampler sees a process that spins in steady state, the machine's busy cores include it,
+    and `steady` counts the tokens streamed inside the middle half only. How much of a core the
+    child gets depends on what else the machine runs (0.49 under a loaded suite on 2 cores,
+    2026-12-07; far less on a busier machine): the checks ask for some of a core, not a share."""
     from infer.bench import replica_scaling as RS
     from infer.bench.online import Result
     child = subprocess.Popen([sys.executable, "-c", "import time; t = time.time()\nwhile time.time() - t < 2.0: pass"])
@@ -316,9 +318,11 @@ def test_replica_scaling_samples_steady_state_cores():
     # one request streaming 10 chunks of 1 token, 0.1 s apart, from t0; another that failed
     res = [Result(4, 10, send=t0, ttft=0.0, output_len=10, itl=[0.1] * 9), Result(4, 10, error="x")]
     st = RS.steady(sm.rows, res, t0)
-    # (it sees the spinning child at all: how much of a core it got depends on what else the machine runs;
-    # 0.49 under a loaded suite on 2 cores, 2026-12-07)
-    assert st["ray_other"] > 0.1 and st["machine_busy"] >= st["ray_other"] - 0.2 and st["machine_steal"] >= 0
+    # the child's core-seconds over the sampled 1.2 s, and its median cores in the middle half: above 0
+    starts = [0.0] + [r["t"] for r in sm.rows]
+    sampled = sum(r["cores"]["ray_other"] * (r["t"] - prev) for r, prev in zip(sm.rows, starts))
+    assert sampled > 0 and st["ray_other"] > 0
+    assert st["machine_busy"] >= st["ray_other"] - 0.2 and st["machine_steal"] >= 0
     lo, hi = st["window_s"]
     inside = sum(lo <= 0.1 * i <= hi for i in range(10))
     assert st["output_throughput"] == pytest.approx(inside / (hi - lo))
@@ -484,7 +488,7 @@ def test_sweep_on_ray_equals_sequential(tmp_path, ray_tmp):
     from eval import sweep
 
     spec = {"name": "tiny4", "method": "grid", "parameters": {
-        "pretrained": {"value": MODEL}, "tasks": {"value": "looped_cloze"}, "limit": {"value": 12},
+        "pretrained": {"value": MODEL}, "tasks": {"value": "looped_cloze"}, "limit": {"value": 6},
         "bench_requests": {"value": 2}, "batch_size": {"value": 4}, "baselines": {"value": False},
         "dtype": {"value": "float64"}, "seed": {"value": SEED}, "exit_threshold": {"values": [0.5, 0.9]},
         "r_min": {"values": [1, 2]}, "kv_layout": {"value": "last_exited"}, "lookahead": {"value": False}}}
