@@ -159,9 +159,9 @@ def arrive_or_abort(sch, seqs, rng, total, prompt, max_tokens, pol, ids):
             sch.finish(v, "abort")
 
 
-def fake_postprocess(sch, work, rng, token, finals=False, max_len=64, out=None):
+def fake_postprocess(sch, work, rng, token, max_len=64, out=None):
     """Finish `work` as the engine would, without a model: a core step's exit scores drawn 0 / 1;
-    an emitting stage appends `token(rng)` to each item (and each final chunk with `finals`) and
+    an emitting stage appends `token(rng)` to each item that emits (Work.emitting) and
     finishes those at max_tokens or `max_len` tokens; a speculative stage appends the tokens of
     `out` (ContentRunner's plan) one at a time under the same rules."""
     if work.stage is Stage.SPEC:
@@ -177,7 +177,7 @@ def fake_postprocess(sch, work, rng, token, finals=False, max_len=64, out=None):
         sch.postprocess(work, scores=FakeScores([rng.choice([0.0, 1.0]) for _ in work.seqs]))
     elif work.stage.emits:
         fin = {}
-        for s in work.emitting if finals else work.seqs:
+        for s in work.emitting:
             s.output_ids.append(token(rng))
             if len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= max_len:
                 fin[s.seq_id] = "length"

@@ -170,7 +170,7 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
             else:
                 assert op.seq.seq_id in host
                 host.discard(op.seq.seq_id)
-        holders = sch.preemption.holders() + (work.seqs if work is not None and work.stage is Stage.PREFILL else [])
+        holders = sch.preemption.holders() + (work.items if work is not None and work.stage is Stage.PREFILL else [])
         owned = [b for s in holders for b in s.blocks]
         assert len(owned) == len(set(owned)) and not set(owned) & set(bm.free_blocks)
         assert len(owned) + len(bm.free_blocks) == bm.num_blocks
@@ -183,7 +183,7 @@ def test_scheduler_invariants_random_steps_with_aborts(seed):
         if work is None:
             continue
         if work.stage is Stage.PREFILL:
-            admitted += [s.seq_id for s in work.seqs]
+            admitted += [s.seq_id for s in work.items]
         fake_postprocess(sch, work, rng, token=lambda r: 1)
     assert all(s.finished for s in seqs) and bm.all_free and not host and not sch.swapped
     assert admitted == sorted(admitted)  # FIFO admission

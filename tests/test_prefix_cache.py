@@ -277,7 +277,7 @@ def test_scheduler_invariants_with_sharing(seed):
         if work is None:
             continue
         runner.run(work)
-        fake_postprocess(sch, work, rng, token=lambda r: r.randrange(3, 256), finals=True)
+        fake_postprocess(sch, work, rng, token=lambda r: r.randrange(3, 256))
         check_blocks(sch, bm)
     assert all(s.finished for s in seqs) and bm.all_free and not runner.host and not sch.swapped
     assert admitted == sorted(admitted)  # FIFO admission

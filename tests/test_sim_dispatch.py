@@ -199,11 +199,11 @@ def test_cli_json_reports_dispatch_per_mode(tmp_path, capsys):
     assert doc["dispatch"] == {"op_us": D.OP_US, "replay_us": D.REPLAY_US, "source": "defaults"}
     results = doc["workloads"][0]["results"]
     assert {r["mode"] for r in results} >= {"cb", "cdb_refill_k1", "cdb_refill_kauto"}
-    for r in results:  # (paged, the default: every launch replays a graph, prompt chunks or not; separate
-        # prefill launches run eagerly)
-        eager = r["mode"].endswith("_separate")
-        assert r["dispatch_s"] > 0 and (r["eager_ops"] > 0) == eager, r["mode"]
-        assert (r["dispatch"]["eager_launches"] > 0) == eager and r["dispatch"]["graphed_launches"] >= 1
+    assert any(r["mode"].endswith("_separate") for r in results)
+    for r in results:  # (paged, the default: every launch replays a graph, prompt chunks or not, separate
+        # prefill launches too)
+        assert r["dispatch_s"] > 0 and r["eager_ops"] == 0, r["mode"]
+        assert r["dispatch"]["eager_launches"] == 0 and r["dispatch"]["graphed_launches"] >= 1
 
 
 def test_dispatch_json_and_flags(tmp_path, capsys):

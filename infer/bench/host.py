@@ -54,7 +54,7 @@ class BenchModel:
 class NoopRunner(ModelRunner):
     """ModelRunner with no-op kernels over the real metadata path. The layout's on-exit KV fill
     (last_exited) is device work inside the coda's body, so it is skipped with the body (prompts run
-    in prefill launches here, so no mixed launch calls it either)."""
+    in separate prefill launches here, whose eager fused body is a no-op too)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -73,8 +73,9 @@ class NoopRunner(ModelRunner):
             return self._scores[:n]
         return self._logits[:n] if stage in (Stage.CODA, Stage.FUSED) else None
 
-    def prefill_body(self, batch, last):
-        return torch.zeros(last.shape[0], 1)
+    def _fused_body(self, slots, batch, r_max, head=None):  # (eager: a separate prefill's launch, its first tokens)
+        n = batch.scored if head is None else head if isinstance(head, int) else head.shape[0]
+        return self._logits[:n]
 
 
 CDB = dict(policy="cdb", refill=True, r_min=2, min_coda_batch=1)  # CDB refill K=1; r_min: see NoopRunner._scores

@@ -106,7 +106,7 @@ class LLMEngine:
         self.runner: Runner = (runner_cls or ModelRunner)(model, c.kv_layout, self.blocks, self.policy.criterion,
                                                           c.pad_pow2, c.max_batch_size, cuda_graphs=c.cuda_graphs,
                                                           attention_backend=c.attention_backend,
-                                                          token_slots=c.max_launch_tokens() if c.prefill == "mixed" else 0)
+                                                          token_slots=c.max_launch_tokens())
         self._launch_timer: LaunchTimer | None = None
         self._virtual = self.runner.clock is not None  # the simulator's or the emulated device's runner
         if c.min_coda_batch == "auto" and c.policy == "cdb" and c.refill:
@@ -115,7 +115,8 @@ class LLMEngine:
                 self._launch_timer = LaunchTimer(model.device)
         # CUDA graphs: every key the scheduler can emit, captured now rather than while requests wait
         graphs = getattr(self.runner, "graphs", None)
-        self.graph_capture = graphs.capture(self.runner.graph_keys(c.policy == "cb", cfg.r_max)) if graphs else None
+        self.graph_capture = (graphs.capture(self.runner.graph_keys(c.policy == "cb", cfg.r_max, c.prefill == "separate"))
+                              if graphs else None)
         if self.graph_capture:
             log.info("captured %d CUDA graphs in %.1f s", self.graph_capture["captured"], self.graph_capture["seconds"])
         self.seqs: dict[str, Sequence] = {}
@@ -346,19 +347,19 @@ class LLMEngine:
         """A trace row (infer/engine/trace.py) and the stage's start time: the stage, its batch, the
         context tokens it reads, and what infer/sim/work.py counts (causal prefix rows of prompt
         positions, head rows of final chunks, the loop steps of a fused launch)."""
-        n = len(work.seqs)
-        if work.stage is Stage.PREFILL:
-            ctx = tokens = prompt = sum(len(s.prompt_ids) for s in work.seqs)
-            pairs = sum(len(s.prompt_ids) * (len(s.prompt_ids) + 1) // 2 for s in work.seqs)
+        prefill = work.stage is Stage.PREFILL  # (its batch: the prompts, each a chunk that ends its prompt)
+        n = len(work.chunks if prefill else work.seqs)
+        if prefill:
+            ctx = tokens = prompt = sum(len(s.prompt_ids) for s in work.chunks)
+            pairs = sum(len(s.prompt_ids) * (len(s.prompt_ids) + 1) // 2 for s in work.chunks)
         else:
             ctx, tokens, pairs = sum(s.num_tokens for s in work.seqs), n, 0
             prompt = sum(s.chunk[1] - s.chunk[0] for s in work.chunks)
         spans = [s.chunk for s in work.chunks]
-        row = trace_row(work.stage.value, n, padded=n if work.stage is Stage.PREFILL or not n else self.runner.padded(n),
-                        tokens=tokens, context=ctx, prompt_tokens=prompt,
-                        chunks=len(work.chunks) if work.chunks else (n if work.stage is Stage.PREFILL else 0),
-                        context_pairs=pairs, prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
-                        finals=len(work.finals), r_max=work.r_max or self.model.cfg.r_max, seconds=0.0, score_reads=0)
+        row = trace_row(work.stage.value, n, padded=n if prefill or not n else self.runner.padded(n),
+                        tokens=tokens, context=ctx, prompt_tokens=prompt, chunks=len(work.chunks), context_pairs=pairs,
+                        prompt_pairs=0 if prefill else sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
+                        finals=0 if prefill else len(work.finals), r_max=work.r_max or self.model.cfg.r_max, seconds=0.0, score_reads=0)
         return row, time.perf_counter()
 
     # ------------------------------------------------------------------ outputs

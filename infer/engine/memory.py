@@ -45,6 +45,13 @@ def state_slot_bytes(model: LoopedLM, criterion: str) -> int:
     return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1) + aux
 
 
+def token_slot_bytes(model: LoopedLM) -> int:
+    """Bytes of one token slot (a prompt position in flight, mixed.py): its loop state (+ injection for
+    Huginn) and its batch-state row (position, loop step, owner, re-entry token: four int64)."""
+    cfg, elt = model.cfg, torch.empty((), dtype=model.dtype).element_size()
+    return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1) + 4 * 8
+
+
 class LiveBytes(TorchDispatchMode):
     """The peak bytes of the tensors alive during a run, counted from the ops (on the meta device at
     real shapes, where no allocator keeps statistics): each op's fresh outputs count from their
@@ -138,16 +145,23 @@ def graph_output_bytes(c: EngineConfig, cfg, dtype: torch.dtype) -> int:
     each padded batch size times the context buckets of a stage with attention layers (the keys of
     ModelRunner.graph_keys, at the widest table a pool can give). On the paged path launches with
     prompt chunks have keys too, up to max_launch_tokens more items, each with the head on the first
-    padded(max_batch_size) rows (mixed.py)."""
+    padded(max_batch_size) rows (mixed.py); under separate prefill those are the prefill launches'
+    (fused, at the model's r_max)."""
     B, elt = c.block_size, torch.empty((), dtype=dtype).element_size()
     width = table_width(cfg.max_position, B, cfg.max_position)
     cap = padded_batch(c.max_batch_size, c.max_batch_size, c.pad_pow2)
-    mixed = c.prefill == "mixed" and c.attention_backend == "paged"
-    sizes = launch_sizes(c.max_batch_size, c.pad_pow2, c.max_batch_size + (c.max_launch_tokens() if mixed else 0),
-                         mixed)  # (ModelRunner.launch_sizes')
-    attends = c.policy == "cb" or cfg.n_coda > 0
-    buckets = len({context_blocks(nb, width, True) for nb in range(1, width + 1)}) if attends else 1
-    return sum(min(x, cap) for x in sizes) * buckets * cfg.vocab_size * elt
+    ladder = c.attention_backend == "paged"
+    sizes = launch_sizes(c.max_batch_size, c.pad_pow2, c.max_batch_size + (c.max_launch_tokens() if ladder else 0),
+                         ladder)  # (ModelRunner.launch_sizes')
+    every = len({context_blocks(nb, width, True) for nb in range(1, width + 1)})
+    rows = sum(min(x, cap) for x in sizes)  # (the head's rows of a key: at most the first cap)
+    if c.policy == "cb":  # the fused iteration (separate prefill's launches are such keys too)
+        keys = rows * every
+    elif c.prefill == "mixed":  # the coda, carrying prompt chunks up to the ladder's top
+        keys = rows * (every if cfg.n_coda > 0 else 1)
+    else:  # the coda of decode items only, and separate prefill's fused launches on the ladder
+        keys = sum(x for x in sizes if x <= cap) * (every if cfg.n_coda > 0 else 1) + (rows * every if ladder else 0)
+    return keys * cfg.vocab_size * elt
 
 
 def activation_reserve(peaks: dict[str, int]) -> int:
@@ -180,7 +194,8 @@ def pool_blocks(model: LoopedLM, c: EngineConfig) -> tuple[int, str]:
     """(number of KV blocks, the setting that sized them) of a resolved config. Raises ParamError
     naming the numbers when the budget cannot hold one block."""
     bpt = kv_bytes_per_token(model, c.kv_layout)
-    slots = (c.max_batch_size + 1) * state_slot_bytes(model, c.exit_criterion)
+    slots = (c.max_batch_size + 1) * state_slot_bytes(model, c.exit_criterion) + \
+        c.max_launch_tokens() * token_slot_bytes(model)
     if c.kv_cache_tokens is not None:
         tokens, knob, budget = c.kv_cache_tokens, "kv_cache_tokens", None
     else:

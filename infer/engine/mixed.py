@@ -61,7 +61,7 @@ class TokenSlots:
 def layout(work: Work, slots: TokenSlots, n_decode: int, tokens: bool) -> Layout:
     """The items of `work`'s chunks after its `n_decode` decode items (module docstring): token slots
     taken at the chunk's first launch (prelude, fused), with the metadata the upload writes then."""
-    fresh = work.stage in (Stage.PRELUDE, Stage.FUSED)
+    fresh = work.stage in (Stage.PREFILL, Stage.PRELUDE, Stage.FUSED)
     finals = {s.seq_id for s in work.finals}
     mine = {s.seq_id: slots.take(s) if fresh else slots.held[s.seq_id] for s in work.chunks}
     order = [(s, len(mine[s.seq_id]) - 1) for s in work.finals]  # each final chunk's last position first

@@ -105,7 +105,7 @@ class OutputProcessor:
         decode item's loop steps (fused: the iteration's); a prompt's first token is at full depth
         (a prefill's prompt has no loop steps, a final chunk has r_full). Stamps the prompts' first
         token time (`now`; None: when its id is read) and their prompt log-probs."""
-        n = 0 if work.stage is Stage.PREFILL else len(work.seqs)  # decode rows; the rest: first tokens
+        n = len(work.seqs)  # decode rows; the rest: first tokens (a separate prefill: all)
         fused = work.r_max if work.stage is Stage.FUSED else 0
         if fused:
             depths = [fused] * n

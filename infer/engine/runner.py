@@ -11,7 +11,9 @@ stage), so on CUDA each can replay a CUDA graph captured per (stage, padded batc
 bucket) from static input buffers (graphs.py). The CPU path runs the same `body` eagerly. A launch
 with prompt chunks riding along is the same: each chunk position is an item in a token slot of its
 own (mixed.py), so on the paged attention path it replays a graph too; on the SDPA path it runs the
-same body eagerly, each chunk attending as one causal segment. A core step returns its
+same body eagerly, each chunk attending as one causal segment. A separate prefill launch is CB's
+fused iteration over such items alone (its prompts are chunks that end their prompts). Only a
+speculative stage runs eagerly on CUDA (speculative.py). A core step returns its
 exit scores as a pending host copy, which lets the engine prepare the next batch while the
 device still runs this one (the lookahead pipeline).
 
@@ -31,7 +33,7 @@ from looplm.model import LoopedLM
 
 from . import mixed, speculative, stages
 from .batch_state import BatchState, launch_sizes, padded_batch
-from .block_manager import BlockManager, kv_rows
+from .block_manager import BlockManager
 from . import graphs as graph_cache
 from .scheduler import Scores, SwapOp, Work
 from .swap import swap_ops
@@ -165,19 +167,25 @@ class ModelRunner:
         (0-N-0), whose launches then run at one context bucket (one graph per batch size)."""
         return {Stage.PRELUDE: self.cfg.n_prelude > 0, Stage.CODA: self.cfg.n_coda > 0}.get(stage, True)
 
-    def graph_keys(self, fused: bool, r_max: int) -> list[tuple]:
+    def graph_keys(self, fused: bool, r_max: int, separate: bool = False) -> list[tuple]:
         """Every graph key (GraphCache.run's) a launch can hit: the padded batch sizes of 1..max_batch_size
         items (slots, + their tokens for a stage that embeds them), and on the paged path the sizes of
         launches with prompt chunks up to max_launch_tokens more items (mixed.py), times the context
         buckets up to the table's width (one for a stage without attention layers), for CB's fused
-        iteration at `r_max` or for CDB's prelude, core step and coda."""
+        iteration at `r_max` or for CDB's prelude, core step and coda. `separate` (separate prefill):
+        the prompts run in fused launches at `r_max` of their own, so the ladder is theirs and CDB's
+        stages stop at max_batch_size."""
         bs = self.batch_state
         sizes = self.launch_sizes()
+        decode = [n for n in sizes if n <= self.padded(self.max_batch_size)] if separate else sizes
         buckets = sorted({bs.ctx_blocks(nb) for nb in range(1, bs.bt.shape[1] + 1)})
         keys = []
         for st in [Stage.FUSED] if fused else [Stage.PRELUDE, Stage.CORE, Stage.CODA]:
             ctx = buckets if self.attends(st) else [1]
-            keys += [(st, 2 * n if st.reads_tokens else n, nb, r_max if fused else 0) for n in sizes for nb in ctx]
+            keys += [(st, 2 * n if st.reads_tokens else n, nb, r_max if fused else 0)
+                     for n in (sizes if fused else decode) for nb in ctx]
+        if separate and not fused and bs.ladder:  # (eager on the SDPA path: no keys)
+            keys += [(Stage.FUSED, 2 * n, nb, r_max) for n in sizes for nb in buckets]
         return keys
 
     def launch_sizes(self) -> list[int]:
@@ -281,13 +289,13 @@ class ModelRunner:
         return slots.clamp(max=self.scratch_slot)
 
     # ------------------------------------------------------------------ launches
-    def _launch(self, work: Work):
-        """One launch: the upload, then the stage's body over its items (a CUDA graph replay when
-        graphs are on). Prompt chunks riding along are items in token slots (mixed.py): on the paged
-        path such a launch is like a decode launch; it runs eagerly on the SDPA path (each chunk one
-        causal segment) and where a chunk wants prompt log-probs (the head on an explicit row list).
-        Returns the body's output."""
-        stage, seqs = work.stage, work.seqs
+    def _launch(self, work: Work, stage: Stage | None = None, r_max: int = 0):
+        """One launch: the upload, then the body of `stage` (default: the work's) over its items (a CUDA
+        graph replay when graphs are on). Prompt chunks riding along are items in token slots (mixed.py):
+        on the paged path such a launch is like a decode launch; it runs eagerly on the SDPA path (each
+        chunk one causal segment) and where a chunk wants prompt log-probs (the head on an explicit row
+        list). Returns the body's output."""
+        stage, seqs, r_max = stage or work.stage, work.seqs, r_max or work.r_max
         bs = self.batch_state
         lay = mixed.layout(work, self.token_slots, len(seqs), stage.reads_tokens) if work.chunks else None
         inp, nb = bs.upload(seqs, tokens=stage.reads_tokens, context=self.attends(stage),
@@ -295,15 +303,15 @@ class ModelRunner:
         nb = bs.ctx_blocks(nb)
         if lay is None or (bs.paged and lay.head is None):
             if self.graphs is not None:
-                return self.graphs.run(stage, inp, nb, work.r_max)
-            return self.body(stage, inp, nb, work.r_max)
+                return self.graphs.run(stage, inp, nb, r_max)
+            return self.body(stage, inp, nb, r_max)
         n = len(seqs)
         slots, batch = bs.gather(stage, inp, nb, context_items=None if bs.paged else n)
         if not bs.paged:
             batch.segments = mixed.segments(work, lay, self.blocks.block_size, self._t)
             batch.num_decode = batch.scored = n
         head = self._t(lay.head) if lay.head is not None else n + len(work.finals)
-        return getattr(self, self._BODIES[stage])(slots, batch, work.r_max, head)
+        return getattr(self, self._BODIES[stage])(slots, batch, r_max, head)
 
     def run(self, work: Work) -> Emitted | PendingScores | None:
         if torch.is_inference_mode_enabled():  # the engine's loops already are (entering costs ~5 us a stage)
@@ -350,7 +358,10 @@ class ModelRunner:
         return Emitted(logits[:n], mixed.prompt_logits(work, logits, n, self._prompt_logits))
 
     def _prefill(self, work: Work) -> Emitted:
-        return self.prefill(work.seqs)
+        """Separate prefill: whole prompts at full depth, depth-major. Its items are prompt chunks that
+        end their prompts, so this is CB's fused iteration at the model's r_max over their token slots
+        (mixed.py), with nothing else in the launch: a graph replay on the paged path."""
+        return self._emitted(work, self._launch(work, Stage.FUSED, self.cfg.r_max))
 
     def _spec(self, work: Work) -> speculative.SpecOut:
         """Draft and verify (speculative.py), eagerly on batches of its own; the per-slot metadata of
@@ -373,34 +384,6 @@ class ModelRunner:
 
     def to_host(self, values: torch.Tensor, n: int) -> PendingScores:
         return PendingScores(values, n)
-
-    def prefill(self, seqs: list[Sequence]) -> Emitted:
-        """Whole prompts at full depth; returns the last position's logits [B, V] (and the prompt
-        logits of those that ask for prompt log-probs)."""
-        B = self.blocks.block_size
-        # host bookkeeping in Python lists, uploaded once each (no host tensors: host_syncs.py)
-        ids, pos, rows, sid, last = [], [], [], [], []
-        for i, s in enumerate(seqs):
-            L, blocks = len(s.prompt_ids), s.blocks
-            ids += s.prompt_ids
-            pos += range(L)
-            rows += kv_rows(blocks, B, L)
-            sid += [i] * L
-            last.append(len(ids) - 1)
-        batch = TokenBatch(ids=self._t(ids), positions=self._t(pos), rows=self._t(rows),
-                           steps=torch.ones(len(ids), dtype=torch.long, device=self.device), seq_ids=self._t(sid))
-        # echo / prompt log-probs: after the B last rows, every position of the prompts that ask
-        # for them (the same full-depth prefill, more rows through the head)
-        want = [(s, last[i] - len(s.prompt_ids) + 1) for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None]
-        idx = last + [j for s, a in want for j in range(a, a + len(s.prompt_ids))]
-        logits = self.prefill_body(batch, self._t(idx))
-        n, prompt = len(seqs), {}
-        for s, _ in want:
-            prompt[s.seq_id], n = logits[n:n + len(s.prompt_ids)], n + len(s.prompt_ids)
-        return Emitted(logits[:len(seqs)], prompt or None)
-
-    def prefill_body(self, batch: TokenBatch, last: torch.Tensor) -> torch.Tensor:
-        return stages.prefill(self.model, self.layout, batch, last)
 
     # ------------------------------------------------------------------ preemption (swap.py)
     @torch.inference_mode()

@@ -138,9 +138,11 @@ class Scheduler:
         self.coda_q: list[Sequence] = []
         # the decode queue of each stage (built once: the queues are only ever changed in place)
         self.queues = {PRELUDE: self.prelude_q, CORE: self.core_q, CODA: self.coda_q}
-        # mixed prefill (None: separate prefill launches); r_full: the model's r_max, the prompt's depth
-        self.chunker = (Chunker(cfg.max_num_batched_tokens, cfg.chunked_prefill, r_full, blocks, max_model_len,
-                                cfg.reserve_kv, cfg.enable_prefix_caching) if cfg.prefill == "mixed" else None)
+        # prompt admission for both prefill modes (separate: whole prompts, launched on their own);
+        # r_full: the model's r_max, the prompt's depth
+        self.mixed = cfg.prefill == "mixed"
+        self.chunker = Chunker(cfg.max_num_batched_tokens, bool(cfg.chunked_prefill), r_full, blocks, max_model_len,
+                               cfg.reserve_kv, bool(cfg.enable_prefix_caching))
         self.preemption = Preemption(blocks, self.queues, blocks.num_blocks if swap_blocks is None else swap_blocks)
         # preempted sequences (preemption.py's containers, changed in place only)
         self.swapped, self.stalled = self.preemption.swapped, self.preemption.stalled
@@ -155,7 +157,7 @@ class Scheduler:
     def num_running(self) -> int:
         """Sequences holding KV blocks and a state slot: decoding, stalled, or prefilling in chunks."""
         return (len(self.prelude_q) + len(self.core_q) + len(self.coda_q) + len(self.stalled) +
-                (len(self.chunker.partial) if self.chunker else 0))
+                len(self.chunker.partial))
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.swapped) or self.num_running > 0
@@ -164,7 +166,7 @@ class Scheduler:
     def counters(self) -> dict[str, int]:
         """Preemption counters (preemption.py), and prefix-cache lookups under mixed prefill (chunks.py)."""
         c = self.preemption.counters
-        return {**c, **self.chunker.counters} if self.chunker is not None else dict(c)
+        return {**c, **self.chunker.counters} if self.mixed else dict(c)
 
     def take_swaps(self) -> list[SwapOp]:
         return self.preemption.take_ops()
@@ -255,11 +257,11 @@ class Scheduler:
         return Work(CORE, items)
 
     def _chunk_in(self, q: list[Sequence]) -> bool:
-        return self.chunker is not None and self.chunker.flying > 0 and any(s.chunk is not None for s in q)
+        return self.chunker.flying > 0 and any(s.chunk is not None for s in q)
 
     def _decode_items(self, q: list[Sequence]) -> int:
         """The decode items in a queue (its other items: prompt chunks in flight)."""
-        if self.chunker is None or not self.chunker.flying:
+        if not self.chunker.flying:
             return len(q)
         return sum(1 for s in q if s.chunk is None)
 
@@ -295,7 +297,7 @@ class Scheduler:
         running = self.num_running
         if not q and not self.core_q and not self.coda_q or running > c.speculative_max_batch or \
                 self.waiting and running < c.max_batch_size or self.swapped or self.stalled or \
-                (self.chunker is not None and self.chunker.held):
+                self.chunker.held:
             return None
         if not any(s.params.speculate and not s.sampled and s.forced is None and s.max_out - len(s.output_ids) >= 2
                    for s in (*q, *self.core_q, *self.coda_q)):
@@ -324,30 +326,19 @@ class Scheduler:
 
     def _prefill(self) -> Work | None:
         """The prefill step, the one point where the prefill modes differ (module docstring)."""
-        if self.chunker is None:
+        if not self.mixed:
             return self._prefill_launch()
         return self._fused_chunks() if self.cfg.policy == "cb" else self._prelude_chunks()
 
     def _prefill_launch(self) -> Work | None:
-        """Separate prefill's step: a prefill launch of the waiting prompts (FIFO) that fit."""
-        batch: list[Sequence] = []
-        tokens = 0
-        while self.waiting and not self.swapped and self.num_running + len(batch) < self.cfg.max_batch_size:
-            seq = self.waiting[0]
-            n = len(seq.prompt_ids)
-            if batch and tokens + n > self.cfg.max_num_batched_tokens:
-                break
-            need = seq.reserved_tokens(self.max_model_len) if self.cfg.reserve_kv else n
-            if not self.blocks.can_allocate(need, self._keep_free(len(batch))):
-                break  # FIFO: the head waits for memory, nobody overtakes it
-            self.blocks.allocate_seq(seq, need)
-            if seq.scheduled_time is None:
-                seq.scheduled_time = time.perf_counter()
-            seq.status = RUNNING  # (its stage: PREFILL, this launch)
-            batch.append(self.waiting.popleft())
-            tokens += n
-        self.changed += batch
-        return Work(PREFILL, batch) if batch else None
+        """Separate prefill's step: a prefill launch of the waiting prompts (FIFO) that fit, whole (the
+        chunker's admission, with no decode item beside them); they wait for no queue (stage PREFILL)."""
+        out = self.chunker.admit(self.waiting, 0, self.num_running, self.cfg.max_batch_size, new=not self.swapped,
+                                 keep_free=self._keep_free)
+        for s in out:
+            s.stage = PREFILL
+        self.changed += out
+        return Work(PREFILL, out) if out else None
 
     def _prelude_chunks(self) -> Work | None:
         """Mixed prefill's step under CDB: a prelude launch, if a new prompt chunk was admitted."""
@@ -375,7 +366,7 @@ class Scheduler:
         return out
 
     def _prelude(self) -> Work | None:
-        if self.chunker is not None:
+        if self.mixed:
             self._admit()
         return self._take(PRELUDE)
 

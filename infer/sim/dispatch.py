@@ -5,12 +5,12 @@ microseconds of host time on a GPU host; a launch that replays a CUDA graph cost
 committed host table (`HostCost`, docs/figures/bench_host.json) is measured with the model's math
 removed (infer/bench/host.py's NoopRunner), so it charges none of this: `Dispatch` does.
 
-Which launches are eager (infer/engine/runner.py, as on CUDA): a separate prefill launch
-(Stage.PREFILL), every launch of a speculative stage (Stage.SPEC: speculative.py), and a launch that
-carries prompt chunks (`work.chunks`: mixed.py) on the SDPA attention path or for a request that asks
-for prompt log-probs; a prelude / core step / coda / CB fused iteration replays a CUDA graph when
-graphs are on (the CUDA default; on the paged path, the CUDA default too, also with prompt chunks),
-else it runs its body eagerly too. `graphed_dispatches` counts what a graphed launch still
+Which launches are eager (infer/engine/runner.py, as on CUDA): every launch of a speculative stage
+(Stage.SPEC: speculative.py), and a launch that carries prompt chunks (`work.chunks`: mixed.py; a
+separate prefill launch's prompts are such chunks, run as a fused iteration) on the SDPA attention
+path or for a request that asks for prompt log-probs; a prelude / core step / coda / CB fused
+iteration / separate prefill launch replays a CUDA graph when graphs are on (the CUDA default; on the
+paged path, the CUDA default too, also with prompt chunks), else it runs its body eagerly too. `graphed_dispatches` counts what a graphed launch still
 dispatches (`--graphed`).
 
 The op counts come from the engine itself (`count_ops`): a real `LLMEngine` with its `ModelRunner`
@@ -21,7 +21,7 @@ width: the engine reads values back (sampling, exit scores), which meta tensors 
 count does not depend on the width (tests/test_sim_dispatch.py checks it at two widths). What is
 counted is what the host table leaves out: the ops inside a decode launch's `body` (the metadata
 upload, `BatchState.upload`, and the rest of the launch are in the table), every op of a mixed
-launch but its upload (the table has no mixed launch), a prefill launch's `prefill_body`, and a
+launch but its upload (the table has no mixed launch), a prefill launch's likewise, and a
 speculative stage whole, split per launch of its plan. Ops
 per launch kind are then a line fitted by least squares on the launches seen: a decode-only
 launch is one number per stage; a launch with chunks is `base + per_chunk * chunks + decode`
@@ -211,14 +211,13 @@ def _count_launches(eng, counter: OpCounter) -> list:
     rows: list = []
     runner = eng.runner
     runner.batch_state.upload = paused(counter, runner.batch_state.upload)  # (the host table's)
-    runner.prefill_body = counted(counter, runner.prefill_body)
     runner.body = counted(counter, runner.body)
 
     def inst(work, dt):
         if dt is None:
             counter.n = 0
-            # a decode-only launch or a prefill counts its body only (the rest is in the host table); a
-            # mixed launch or a speculative stage all of it but the upload
+            # a decode-only launch counts its body only (the rest is in the host table); a launch with
+            # prompt chunks (a separate prefill's too) or a speculative stage all of it but the upload
             counter.active = bool(work.chunks) or work.stage is Stage.SPEC
         else:
             rows.append((work.stage, len(work.seqs), len(work.chunks), counter.n))
@@ -270,7 +269,7 @@ def _count(cfg, kind: str, kv_layout: str, criterion: str, attention: str) -> Op
             else:
                 _run(eng)
     if kind == "prefill":
-        out.prefill = Line.fit([(n, True, ops) for st, n, _, ops in rows if st is Stage.PREFILL])
+        out.prefill = Line.fit([(ch, True, ops) for st, _, ch, ops in rows if st is Stage.PREFILL])
         return out
     if kind == "spec":
         by: dict = {}
@@ -333,13 +332,16 @@ def count_ops(cfg, kind: str, kv_layout: str, criterion: str = "none", attention
 def graphed_dispatches(cfg, kind: str, kv_layout: str, criterion: str = "none") -> dict[str, int]:
     """Host dispatches per launch with CUDA graphs on the paged path (the CUDA default): every aten op
     the host issues for a launch (the metadata upload, the graph's input copy) plus one per replay, the
-    most any launch of each kind needed in the counting engine's run (`kind`: "cdb" or "cb"; keys
-    `<stage>` decode-only, `<stage>_chunks` carrying prompt chunks). Graphs are the CPU stand-in
+    most any launch of each kind needed in the counting engine's run (`kind`: "cdb", "cb" or "prefill":
+    separate prefill's launches, key `prefill`; keys `<stage>` decode-only, `<stage>_chunks` carrying
+    prompt chunks). Graphs are the CPU stand-in
     (infer/engine/graphs.py), captured on first use; its replay counts as the one a CUDA graph is."""
     import weakref
 
     from infer.engine.graphs import GraphStandIn
     settings = {**_settings(kind, kv_layout, criterion), "attention_backend": "paged"}
+    if kind == "prefill":
+        settings.update(policy="cdb", prefill="separate", full_depth=True)
     counter = OpCounter()
     most: dict[str, int] = {}
     with torch.inference_mode():
@@ -357,8 +359,8 @@ def graphed_dispatches(cfg, kind: str, kv_layout: str, criterion: str = "none") 
         def inst(work, dt):
             if dt is None:
                 counter.n, counter.active = 0, True
-            elif work.stage in DECODE_STAGES:
-                key = work.stage.value + ("_chunks" if work.chunks else "")
+            elif work.stage in DECODE_STAGES or work.stage is Stage.PREFILL:
+                key = work.stage.value + ("_chunks" if work.chunks and work.stage is not Stage.PREFILL else "")
                 most[key] = max(most.get(key, 0), counter.n)
         eng.on_launch.append(inst)
         with counter:
@@ -421,9 +423,9 @@ class LaunchOps:
         return count_ops(self.cfg, kind, self.kv_layout, criterion, self.attention)
 
     def launch(self, stage: Stage, items: int, chunks: int, criterion: str) -> float:
-        """Eager ops of a launch of `stage` with `items` decode items (a prefill: prompts) and `chunks`."""
+        """Eager ops of a launch of `stage` with `items` decode items and `chunks` (a prefill: its prompts)."""
         if stage is Stage.PREFILL:
-            return self._get("prefill").prefill(items)
+            return self._get("prefill").prefill(chunks)
         fam = self._get("cb") if stage is Stage.FUSED else self._get("cdb", criterion)
         if chunks:
             return fam.mixed[stage](chunks, items > 0)
@@ -478,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     crit = real_criterion(cfg, "learned")
     out = {"model": a.model, "structure": cfg.name, "kv_layout": layout, "criterion": crit}
     if a.graphed:
-        out["graphed"] = {"cdb": graphed_dispatches(cfg, "cdb", layout, crit), "cb": graphed_dispatches(cfg, "cb", layout)}
+        out["graphed"] = {"cdb": graphed_dispatches(cfg, "cdb", layout, crit), "cb": graphed_dispatches(cfg, "cb", layout),
+                          "prefill": graphed_dispatches(cfg, "prefill", layout)}
         print(json.dumps(out, indent=1))
         if a.json:
             a.json.write_text(json.dumps(out, indent=1))

@@ -180,7 +180,7 @@ class EmulatedRunner(SimRunner):
         if not isinstance(out, Emitted):
             return out
         rows = len(work.emitting)
-        firsts = work.seqs if work.stage is Stage.PREFILL else work.finals  # the prompts completed here
+        firsts = work.finals  # the prompts completed here (a separate prefill's: every one)
         prompt = {s.seq_id: self._wide(len(s.prompt_ids)) for s in firsts if s.params.prompt_logprobs is not None}
         # teacher forcing reads the forced token's log-prob: then every id needs a logit
         wide = any(s.forced is not None for s in work.emitting)

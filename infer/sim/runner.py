@@ -98,11 +98,11 @@ class SimRunner:
     model without a host share (FittedCost) is device time only, which the overlap leaves as it is.
 
     Dispatch (issue 62; a cost model with a `dispatch` block, dispatch.py: the simulator's and the
-    emulated device's roofline): issuing a launch costs the host its eager aten ops x `op_us` (a
-    prefill launch, each launch of a speculative stage, a launch carrying prompt chunks on the SDPA
-    path or for prompt log-probs, and with `graphs` off every launch) or one graph replay,
+    emulated device's roofline): issuing a launch costs the host its eager aten ops x `op_us` (each
+    launch of a speculative stage, a launch carrying prompt chunks on the SDPA path or for prompt
+    log-probs, a separate prefill's there too, and with `graphs` off every launch) or one graph replay,
     `replay_us` (every other launch, `graphs` on: the CUDA default; on the paged path launches with
-    prompt chunks too, mixed.py). The ops are counted from the engine (dispatch.LaunchOps). Dispatch is host
+    prompt chunks too, mixed.py, and separate prefill's). The ops are counted from the engine (dispatch.LaunchOps). Dispatch is host
     work the device cannot run ahead of, and it comes after the host's work before the launch
     (`pre`: scheduling, upload). The device does not wait for the whole of it: kernels run as they
     are issued, so the launch starts on the device when the host starts issuing it (or when the
@@ -234,10 +234,12 @@ class SimRunner:
         return _Scores(values[:n].tolist(), self, end)
 
     def run(self, work: Work) -> Emitted | _Scores | SpecOut | None:
-        seqs, n = work.seqs, len(work.seqs)
+        prefill = work.stage is Stage.PREFILL
+        seqs = work.chunks if prefill else work.seqs  # (a separate prefill's prompts: chunks ending them)
+        n = len(seqs)
         if work.stage is Stage.SPEC:
             return self._spec(work)
-        if work.stage is Stage.PREFILL:
+        if prefill:
             lens = [len(s.prompt_ids) for s in seqs]
             c = Call(work.stage, n, n, sum(lens), sum(lens), sum(x * x for x in lens))
         else:
@@ -259,11 +261,10 @@ class SimRunner:
                      prompt_pairs=sum((e - a) * a + (e - a) * (e - a + 1) // 2 for a, e in spans),
                      finals=len(work.finals), extra_rows=extra)
         t = self.cost(c)
-        prefill = work.stage is Stage.PREFILL
-        eager = prefill or not self.graphed or bool(work.chunks) and (  # (what runs eagerly on CUDA: class docstring)
+        eager = not self.graphed or bool(work.chunks) and (  # (what runs eagerly on CUDA: class docstring)
             not self.ladder or any(s.params.prompt_logprobs is not None for s in work.chunks))
         end = self._charge(*self._split(work.stage, c.padded, t),
-                           self._dispatch(eager, work.stage, n, len(work.chunks)))
+                           self._dispatch(eager, work.stage, 0 if prefill else n, len(work.chunks)))
         t = self.last_seconds = t + self._stall  # (what the launch's CUDA events would show)
         self.trace.append(trace_row(
             work.stage.value, n, padded=c.padded, tokens=c.tokens, context=c.context, seconds=t,
@@ -273,7 +274,7 @@ class SimRunner:
             context_pairs=(c.context_sq + c.tokens) // 2 if prefill else 0, prompt_pairs=c.prompt_pairs,
             finals=c.finals, r_max=work.r_max or self.cfg.r_max,
             # the launch's cost that the prompts add (weights are paid by the decode items anyway)
-            prompt_seconds=(t - self.cost(c.without_prompts()) if n else t) if work.chunks else None))
+            prompt_seconds=(t - self.cost(c.without_prompts()) if n else t) if work.chunks and not prefill else None))
         if work.stage.emits:
             self._stamp(work.emitting, end)
             resolve = getattr(self.cost, "resolve_seconds", None)
@@ -286,7 +287,7 @@ class SimRunner:
                 return None
             # the "learned" criterion's score is an exit probability (looplm/exits.py)
             return _Scores([1.0 if self._fires(s) else 0.0 for s in seqs], self, end)
-        return Emitted(self._rows(n + len(work.finals)))
+        return Emitted(self._rows(len(work.emitting)))
 
     def _dispatch(self, eager: bool, stage: Stage, items: int, chunks: int = 0, phase: str | None = None) -> float:
         """The host seconds issuing a launch costs (class docstring), counted in `dispatched`: an
