@@ -405,9 +405,7 @@ class Scheduler:
                     s.tracker.at_prelude(cdf)
             self.core_q += work.items
         elif work.stage is CORE:
-            self._after_core(seqs, scores)
-            if chunks:
-                self._after_core_chunks(chunks)
+            self._after_core(seqs, scores, chunks)
         else:
             src = self.coda_q if work.stage is CODA else self.prelude_q if work.stage in (FUSED, SPEC) else None
             if src is not None:
@@ -447,23 +445,11 @@ class Scheduler:
             ids = {id(s) for s in seqs}
             q[:] = [s for s in q if id(s) not in ids]
 
-    def _after_core_chunks(self, chunks: list[Sequence]) -> None:
-        """A core step's prompt chunks: one step each; after r_full steps, the coda queue."""
-        r_full, done = self.chunker.r_full, []
-        for s in chunks:
-            s.step += 1
-            if s.step >= r_full:
-                done.append(s)
-        if done:
-            self._drop(done, self.core_q)
-            for s in done:
-                s.stage = CODA
-            self.coda_q += done
-
-    def _after_core(self, seqs: list[Sequence], scores: Scores) -> None:
+    def _after_core(self, seqs: list[Sequence], scores: Scores, chunks: list[Sequence]) -> None:
         """Advance every item one step, feed the exit trackers, move the items that exit to the coda
         queue. Synchronous: this step's scores decide now. Pipelined (lookahead): the previous core
-        step's scores are read here, and they already decide who exits after this step."""
+        step's scores are read here, and they already decide who exits after this step. A prompt
+        chunk (`chunks`) has no score: it goes to the coda after r_full steps."""
         exited = []
         if self.pipeline:
             prev, self._unread_scores = self._unread_scores, (seqs, scores)
@@ -485,6 +471,12 @@ class Scheduler:
                 if t.open:
                     t.after_step(st, x)
                 if st >= t.stop_at:
+                    exited.append(s)
+        if chunks:
+            r_full = self.chunker.r_full
+            for s in chunks:
+                s.step += 1
+                if s.step >= r_full:
                     exited.append(s)
         if exited:
             self._drop(exited, self.core_q)
