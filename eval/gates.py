@@ -61,7 +61,7 @@ def at_depth(points: list[dict], depth: float, key: str = "acc") -> float | None
 def text_run(llm, windows: list[list[int]], window_bytes: list[int], **overrides) -> dict:
     """Teacher-forced bits per byte of `windows` (the first token of each is the prompt), the decoded
     tokens' mean exit depth, and per window its nats, bytes and depth sum / count (`items`)."""
-    from infer.engine.sampling import SamplingParams
+    from infer.engine.sampling_params import SamplingParams
     eng, t0 = llm.engine, time.time()
     seqs = [eng.add_request(w[:1], SamplingParams(**overrides), forced_output=w[1:]) for w in windows]
     while eng.has_unfinished():

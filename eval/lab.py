@@ -27,7 +27,7 @@ from train.tasks.hops import generate
 def run(llm, records: list[dict], per_record: bool = False, **overrides) -> dict:
     """Exact match and exit depths of `records` through `llm` (greedy). `per_record`: also each
     record's correctness and answer-token depth sum / count (`items`, for a paired bootstrap)."""
-    from infer.engine.sampling import SamplingParams
+    from infer.engine.sampling_params import SamplingParams
     sp = SamplingParams(max_tokens=max(len(r["answer"]) for r in records) + 2, temperature=0.0, **overrides)
     t0 = time.time()
     outs = llm.generate([r["prompt"] for r in records], sp, use_tqdm=False)

@@ -29,7 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from infer.engine.config import EngineConfig
 from infer.engine.llm import LLM
 from infer.engine.progress import progress
-from infer.engine.sampling import SamplingParams, check_priority
+from infer.engine.sampling_params import SamplingParams, check_priority
 from infer.sim import replay as RP
 from looplm.errors import ParamError
 from looplm.io import load_tokenizer

@@ -5,7 +5,7 @@ device: cost models, the simulator, the emulated device, and the workloads and s
 benchmarks share), `serving/` (the OpenAI-compatible server), `bench/` (the measurement CLIs)."""
 import importlib
 
-_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling", "LLMEngine": "engine.llm_engine",
+_EXPORTS = {"LLM": "engine.llm", "SamplingParams": "engine.sampling_params", "LLMEngine": "engine.llm_engine",
             "EngineConfig": "engine.config", "RequestOutput": "engine.llm_engine"}
 __all__ = list(_EXPORTS)
 

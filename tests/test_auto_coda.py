@@ -9,7 +9,7 @@ import pytest
 from infer.engine.auto_coda import EMA, REPLAN, AutoCoda, StageCosts, at
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.engine.sequence import Stage
 from looplm.errors import ParamError
 

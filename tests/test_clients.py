@@ -128,7 +128,7 @@ def test_echo_logprobs_meaning(policy_server):
     from infer.engine.llm import load_model
     from infer.engine.llm_engine import LLMEngine
     from infer.engine.config import EngineConfig
-    from infer.engine.sampling import SamplingParams
+    from infer.engine.sampling_params import SamplingParams
 
     model, tok = load_model(str(DEMO), "float64")
     ids = tok.encode(TEXT)

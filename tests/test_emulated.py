@@ -20,7 +20,7 @@ from infer.sim.runner import binomial_depths, depths_from_distribution
 from infer.sim.simulate import simulate_mode
 from infer.sim.workloads import make_requests
 from infer.engine.runner import Runner
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.serving.async_engine import AsyncEngine
 from infer.serving.server import build_app
 from looplm.errors import ParamError

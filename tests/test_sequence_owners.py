@@ -7,7 +7,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.engine.sequence import OWNERS, Sequence
 from looplm.policy import ExitPolicy
 

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.engine.sequence import Stage
 from infer.sim import dispatch as D
 from infer.sim import emulated as E

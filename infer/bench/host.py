@@ -31,7 +31,7 @@ import torch
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.runner import ModelRunner
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.engine.sequence import Stage
 from infer.sim.stats import ratio_interval
 from infer.sim.workloads import DATA, load_trace

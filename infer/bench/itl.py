@@ -22,7 +22,7 @@ import torch
 
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from looplm.presets import paper_config, tiny_model
 
 # prefill settings compared: the old separate stage, a whole prompt riding in the decode launches,

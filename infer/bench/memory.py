@@ -20,7 +20,7 @@ from functools import partial
 from infer.engine.config import EngineConfig, add_engine_args, engine_kwargs_from_args
 from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.sim.report import ratio_json
 from infer.sim.workloads import make_requests
 from looplm.presets import PAPER_MODELS, paper_config

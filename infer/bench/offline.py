@@ -26,7 +26,7 @@ from infer.engine.config import EngineConfig, coda_batch_arg, add_engine_args, e
 from infer.engine.llm import add_load_args, load_model
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.progress import progress
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.sim import bounds as B
 from infer.sim import replay as RP
 from infer.sim.emulated import emulated_engine

@@ -23,7 +23,7 @@ import torch
 
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.sim.report import ratio_json
 from infer.sim.workloads import Request
 from looplm.presets import paper_config

@@ -47,7 +47,7 @@ def engine_worker(model: str, job: dict) -> dict:
     import torch
 
     from infer.engine.llm import LLM
-    from infer.engine.sampling import SamplingParams
+    from infer.engine.sampling_params import SamplingParams
     torch.set_num_threads(job["threads"])
     llm = LLM(model, max_batch_size=job["batch"], **MODES[job["mode"]])
     ps = job["prompts"]

@@ -17,7 +17,7 @@ from looplm.model import LoopedLM
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
 from .progress import progress
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 LOAD_FORMATS = ("auto", "dummy")

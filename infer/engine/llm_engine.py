@@ -27,7 +27,7 @@ from .batch_state import to_device
 from .output import OutputProcessor, UnreadSample
 from .runner import Emitted, ModelRunner, Runner, SpecOut
 from .sampler import Sampler
-from .sampling import SamplingParams, check_priority, check_prompt, check_token_ids
+from .sampling_params import SamplingParams, check_priority, check_prompt, check_token_ids
 from .scheduler import Scheduler, Scores, Work
 from .sequence import Sequence, Stage
 from .trace import TraceRow, trace_row

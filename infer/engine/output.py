@@ -19,7 +19,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .sampler import Sampler
-from .sampling import find_stop
+from .sampling_params import find_stop
 from .scheduler import Scores, Work
 from .sequence import Sequence, Stage
 

@@ -32,7 +32,7 @@ from dataclasses import InitVar, dataclass, field
 
 from looplm.policy import ExitPolicy, ExitTracker
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -24,7 +24,7 @@ import torch
 
 from looplm.errors import ParamError
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams, check_prompt, context_exceeded
+from infer.engine.sampling_params import SamplingParams, check_prompt, context_exceeded
 from infer.engine.sequence import Sequence
 from infer.sim import replay as RP
 

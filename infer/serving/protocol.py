@@ -11,7 +11,7 @@ from http import HTTPStatus
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.engine.sampling import check_token_ids
+from infer.engine.sampling_params import check_token_ids
 from looplm.errors import ParamError
 
 MAX_STOP = 16  # stop strings per request

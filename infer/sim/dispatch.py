@@ -195,7 +195,7 @@ def _engine(cfg, settings: dict):
 
 
 def _run(eng, prompts=COUNT_PROMPTS, max_tokens: int | None = None) -> None:
-    from infer.engine.sampling import SamplingParams
+    from infer.engine.sampling_params import SamplingParams
     rng = random.Random(0)
     for i, (p, o) in enumerate(prompts):
         eng.add_request([rng.randrange(3, 250) for _ in range(p)],

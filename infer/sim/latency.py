@@ -29,7 +29,7 @@ from infer.engine.config import EngineConfig, add_engine_args, engine_config_fro
 from infer.engine.llm import load_model
 from infer.engine.progress import progress
 from infer.engine.runner import ModelRunner
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Work
 from infer.engine.sequence import Sequence, Stage
 from infer.engine.trace import TraceRow

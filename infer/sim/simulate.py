@@ -12,7 +12,7 @@ from pathlib import Path
 from infer.engine.config import EngineConfig
 from infer.engine.llm import load_model
 from infer.engine.llm_engine import LLMEngine
-from infer.engine.sampling import SamplingParams
+from infer.engine.sampling_params import SamplingParams
 from looplm.config import LoopConfig
 from looplm.layer_split import split_config
 from looplm.presets import PAPER_MODELS, paper_config
