@@ -727,7 +727,8 @@ def parity_paged(run: Run, dev: torch.device, prior_s: float, until: float) -> d
 
 # ---------------------------------------------------------------------------------- launch instrument
 def launch_kind(work) -> str:
-    """prefill (a separate prefill launch), mixed (prompt chunks ride along: eager), else the stage."""
+    """prefill (a separate prefill launch), mixed (prompt chunks ride along; eager on the SDPA path),
+    else the stage."""
     return "prefill" if work.stage is Stage.PREFILL else "mixed" if work.chunks else work.stage.value
 
 
