@@ -76,8 +76,8 @@ class Scores(Protocol):
 class Work:
     """One launch: its stage and its scheduled items. An item is a sequence with the positions it
     runs, at one loop step (`seq.step`): a decode token (its last position; `seq.chunk` is None) or
-    a prompt chunk (positions `seq.chunk` = [a, e), mixed prefill: chunks.py); under separate
-    prefill a PREFILL launch's items are whole prompts. An item emits a token when the launch ends
+    a prompt chunk (positions `seq.chunk` = [a, e): chunks.py); a separate prefill launch's items are
+    whole prompts, chunks that end their prompts. An item emits a token when the launch ends
     with logits and it covers its sequence's last position: every decode item, and a chunk that
     ends its prompt. The runner lays decode items and chunk positions out differently (mixed.py),
     so the launch keeps the two views of `items`, in item order: `seqs` and `chunks`."""
@@ -97,7 +97,7 @@ class Work:
     spec_blocks: list[int] = field(default_factory=list)  # SPEC: each table's length before the window grew it
     draft_depth: int = 0
     # the views of `items` (set from it: `_split`)
-    seqs: list[Sequence] = field(init=False, repr=False)  # the decode items (PREFILL: the prompts)
+    seqs: list[Sequence] = field(init=False, repr=False)  # the decode items
     chunks: list[Sequence] = field(init=False, repr=False)  # the prompt chunks
     finals: list[Sequence] = field(init=False, repr=False)  # the chunks whose prompt's first token this launch samples
 
