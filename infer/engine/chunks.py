@@ -44,11 +44,13 @@ from typing import Callable
 from .block_manager import BlockManager, block_hashes
 from .sequence import Sequence, Stage, Status
 
+
 class Chunker:
-    """Mixed prefill's part of the scheduler: which prompt chunks a launch admits, and what a chunk's
-    coda leaves (the prompt done, or its next chunk to admit). The chunks in flight are items of the
-    scheduler's own queues (`seq.chunk` set); this keeps only their counts and the prompts between
-    chunks (`partial`)."""
+    """The scheduler's prompt admission: which prompt chunks a launch admits, and what a chunk's coda
+    leaves (the prompt done, or its next chunk to admit). Under mixed prefill the chunks in flight are
+    items of the scheduler's own queues (`seq.chunk` set); under separate prefill they are whole
+    prompts in a prefill launch of their own (no decode item counts against the budget then). This
+    keeps only their counts and the prompts between chunks (`partial`)."""
 
     def __init__(self, budget: int, chunked: bool, r_full: int, blocks: BlockManager, max_model_len: int,
                  reserve_kv: bool = False, caching: bool = False):
