@@ -3,6 +3,7 @@ rule on made-up costs, what it reports (bench JSON, metrics, /metrics), the sett
 and in the simulator the paper models' contrast (Ouro: the coda at once; Huginn: exits gather).
 Exactness under auto is in the engine's equality suite (tests/test_engine.py, helpers.MODES_AUTO)."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -188,7 +189,8 @@ def test_the_scheduler_steps_the_rest_of_a_split_core_queue_next():
     from infer.engine.scheduler import Scheduler
     from infer.engine.sequence import Sequence
     sch = Scheduler.__new__(Scheduler)  # only the core step's choice: a queue and auto's table
-    sch.core_q, sch.chunker, sch.auto = [Sequence.__new__(Sequence) for _ in range(80)], None, _rows(1.0)
+    sch.core_q, sch.auto = [Sequence.__new__(Sequence) for _ in range(80)], _rows(1.0)
+    sch.chunker = SimpleNamespace(flying=0)  # no prompt chunk in flight
     for s in sch.core_q:
         s.chunk = None  # decode items
     sch.queues = {Stage.CORE: sch.core_q}
