@@ -38,18 +38,23 @@ from .stages import TokenBatch
 log = logging.getLogger("infer.engine")
 
 
+def _loop_state_bytes(model: LoopedLM) -> int:
+    """One row of the runner's loop-state buffers: the state (+ injection for Huginn)."""
+    cfg, elt = model.cfg, torch.empty((), dtype=model.dtype).element_size()
+    return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1)
+
+
 def state_slot_bytes(model: LoopedLM, criterion: str) -> int:
     """Bytes of one state slot: loop state (+ injection for Huginn) + exit-criterion memory."""
-    cfg, elt = model.cfg, torch.empty((), dtype=model.dtype).element_size()
+    cfg = model.cfg
     aux = {"kl": cfg.vocab_size * 8, "entropy_diff": 8, "ouro_gate": 8}.get(criterion, 0)  # float64, see looplm/exits.py
-    return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1) + aux
+    return _loop_state_bytes(model) + aux
 
 
 def token_slot_bytes(model: LoopedLM) -> int:
-    """Bytes of one token slot (a prompt position in flight, mixed.py): its loop state (+ injection for
-    Huginn) and its batch-state row (position, loop step, owner, re-entry token: four int64)."""
-    cfg, elt = model.cfg, torch.empty((), dtype=model.dtype).element_size()
-    return cfg.hidden_size * elt * (2 if cfg.arch == "huginn" else 1) + 4 * 8
+    """Bytes of one token slot (a prompt position in flight, mixed.py): its loop state and its
+    batch-state row (position, loop step, owner, re-entry token: four int64)."""
+    return _loop_state_bytes(model) + 4 * 8
 
 
 class LiveBytes(TorchDispatchMode):
